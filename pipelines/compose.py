@@ -1,0 +1,23 @@
+"""Compose conf/ into params.yaml exactly as `dvc exp run` does (DVC's own Hydra composition).
+
+    python pipelines/compose.py                      # the default experiment
+    python pipelines/compose.py experiment=smoke generate.max_new_tokens=32
+
+`dvc repro` reads params.yaml as it is; `dvc exp run -S ...` rewrites it itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dvc.utils.hydra import compose_and_dump
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if __name__ == "__main__":
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
+    compose_and_dump(ROOT / "params.yaml", str(ROOT / "conf"), None, "config", str(ROOT / ".dvc"), sys.argv[1:])
+    print(f"wrote {ROOT / 'params.yaml'} ({' '.join(sys.argv[1:]) or 'defaults'})")

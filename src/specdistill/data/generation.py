@@ -1,0 +1,255 @@
+"""On-policy training data: the target answers the prompts, batched and KV-cached, in resumable shards.
+
+Why not `model.generate`: on the CPU its decode loop spends most of a step outside the matmuls
+(a full-vocabulary sort for top-p, `torch.multinomial`, `torch.cat` of the KV cache per layer, and
+rows that finished long ago still being computed). This loop sorts prompts by length so batches carry
+little padding, writes keys and values into a preallocated cache, samples with a top-k-bounded
+nucleus and the exponential race, and drops finished rows from the batch as it goes.
+
+Output contract (DESIGN.md): `<out>/<split>/shard-NNNNN/` as `datasets` Arrow with `id`, `input_ids`
+(prompt + response, unpadded), `prompt_len`, and optionally `topk_ids` / `topk_logprobs` of the target
+(temperature 1, before any warping) for each response position; `<out>/manifest.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdistill.io import atomic_path, remove_stale_temporaries, write_json
+from specdistill.models.kv_cache import PreallocatedCache
+from specdistill.sampling import sample_logits
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("target", "dataset")
+
+
+class GenerationError(RuntimeError):
+    """Generation cannot run as configured."""
+
+
+@dataclass
+class GenerateConfig:
+    source: str = "target"  # target: on-policy answers of the target | dataset: the dataset's own answers
+    splits: list[str] = field(default_factory=lambda: ["train", "val"])
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    batch_size: int = 32
+    shard_size: int = 256  # prompts per shard: the unit of resumption
+    topk_logprobs: int = 0  # store the target's top-k logprobs per response position (0: off)
+    compact_below: float = 0.75  # drop finished rows once fewer than this fraction of the batch is alive
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise GenerationError(f"generate.source={self.source!r}: use one of {SOURCES}")
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
+            raise GenerationError("generate.max_new_tokens, batch_size and shard_size must be >= 1")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"generate.top_p={self.top_p} must be in (0, 1]")
+
+    def fingerprint(self, extra: dict[str, Any]) -> str:
+        """What decides a shard's content; a shard written under another fingerprint is stale."""
+        keep = {k: v for k, v in asdict(self).items() if k not in ("splits",)}
+        blob = json.dumps({**keep, **extra}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class BatchResult:
+    responses: list[list[int]]
+    topk_ids: list[list[list[int]]] | None = None
+    topk_logprobs: list[list[list[float]]] | None = None
+
+
+def stop_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list | tuple) else [eos])
+    if not ids:
+        raise GenerationError("the target has no eos token: set one on its tokenizer or generation_config")
+    return ids
+
+
+@torch.inference_mode()
+def generate_batch(model: Any, prompts: list[list[int]], cfg: GenerateConfig, stops: set[int], pad_id: int,
+                   generator: torch.Generator | None) -> BatchResult:
+    """Answer a batch of tokenised prompts; left padding, one preallocated KV cache for the batch."""
+    device = next(model.parameters()).device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    total = width + cfg.max_new_tokens
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, total), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):width] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    position = (mask[:, :width].cumsum(-1) - 1).clamp_(min=0)
+    cache = PreallocatedCache(model.config.num_hidden_layers, total)
+    out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=position, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    next_pos = position[:, -1:] + 1
+    rows = torch.arange(b)  # batch row -> prompt index
+    responses: list[list[int]] = [[] for _ in range(b)]
+    want_topk = cfg.topk_logprobs > 0
+    tk_ids: list[list[list[int]]] = [[] for _ in range(b)]
+    tk_lp: list[list[list[float]]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    stop_t = torch.tensor(sorted(stops))
+    for step in range(cfg.max_new_tokens):
+        logits = out.logits[:, -1].float()
+        tok = sample_logits(logits, cfg.temperature, cfg.top_p, cfg.top_k, generator).cpu()
+        if want_topk:
+            lp, li = torch.log_softmax(logits, -1).topk(cfg.topk_logprobs, -1)
+            lp, li = lp.cpu().tolist(), li.cpu().tolist()
+        live = (~done[rows]).nonzero().flatten().tolist()
+        tok_list = tok.tolist()
+        for j in live:
+            r = int(rows[j])
+            responses[r].append(tok_list[j])
+            if want_topk:
+                tk_ids[r].append(li[j])
+                tk_lp[r].append(lp[j])
+        done[rows] |= torch.isin(tok, stop_t)
+        alive = ~done[rows]
+        if not bool(alive.any()) or step == cfg.max_new_tokens - 1:
+            break
+        if float(alive.float().mean()) < cfg.compact_below:
+            keep = alive.nonzero().flatten()
+            keep_dev = keep.to(device)
+            cache.batch_select_indices(keep_dev)
+            rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep_dev], next_pos[keep_dev]
+        cur = width + step + 1
+        mask[:, cur - 1] = 1
+        out = model(input_ids=tok.to(device)[:, None], attention_mask=mask[:, :cur], position_ids=next_pos,
+                    cache=cache, use_cache=True)
+        next_pos = next_pos + 1
+    if want_topk:
+        return BatchResult(responses, tk_ids, tk_lp)
+    return BatchResult(responses)
+
+
+@torch.inference_mode()
+def score_topk(model: Any, sequences: list[list[int]], prompt_lens: list[int], k: int,
+               pad_id: int) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
+    """The target's top-k logprobs at every response position of fixed sequences (prefill only)."""
+    device = next(model.parameters()).device
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    lp, li = torch.log_softmax(logits, -1).topk(k, -1)
+    out_ids, out_lp = [], []
+    for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        # position t predicts token t+1: the response tokens s[p:] are predicted at p-1 .. len-2
+        out_ids.append(li[i, p - 1: len(s) - 1].tolist())
+        out_lp.append(lp[i, p - 1: len(s) - 1].tolist())
+    return out_ids, out_lp
+
+
+def dataset_responses(tokenizer: Any, references: list[str], max_new_tokens: int) -> list[list[int]]:
+    """The dataset's own answers, tokenised as the target would have emitted them (ending in eos)."""
+    eos = tokenizer.eos_token or ""
+    out = []
+    for ref in references:
+        ids = tokenizer(ref + eos, add_special_tokens=False)["input_ids"]
+        out.append(ids[:max_new_tokens])
+    return out
+
+
+def _batches(order: list[int], size: int) -> Iterator[list[int]]:
+    for i in range(0, len(order), size):
+        yield order[i:i + size]
+
+
+def generate_shard(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: GenerateConfig, shard_seed: int,
+                   on_tokens: Callable[[int, int], None] | None = None) -> dict[str, list[Any]]:
+    """Generate one shard's columns. Prompts run sorted by length; output keeps the input order."""
+    stops = stop_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    responses: list[list[int]] = [[] for _ in rows]
+    topk_ids: list[Any] = [None] * len(rows)
+    topk_lp: list[Any] = [None] * len(rows)
+    generator = torch.Generator().manual_seed(shard_seed)
+    order = sorted(range(len(rows)), key=lambda i: (len(prompts[i]), i))
+    for batch in _batches(order, cfg.batch_size):
+        if cfg.source == "target":
+            res = generate_batch(model, [prompts[i] for i in batch], cfg, stops, pad_id, generator)
+        else:
+            res = BatchResult(dataset_responses(tokenizer, [rows[i]["reference"] for i in batch], cfg.max_new_tokens))
+            if cfg.topk_logprobs > 0:
+                seqs = [prompts[i] + r for i, r in zip(batch, res.responses, strict=True)]
+                res.topk_ids, res.topk_logprobs = score_topk(model, seqs, [len(prompts[i]) for i in batch],
+                                                             cfg.topk_logprobs, pad_id)
+        for j, i in enumerate(batch):
+            responses[i] = res.responses[j]
+            if res.topk_ids is not None:
+                topk_ids[i], topk_lp[i] = res.topk_ids[j], res.topk_logprobs[j]
+        if on_tokens:
+            on_tokens(len(batch), sum(len(r) for r in res.responses))
+    cols: dict[str, list[Any]] = {
+        "id": [r["id"] for r in rows],
+        "input_ids": [p + r for p, r in zip(prompts, responses, strict=True)],
+        "prompt_len": [len(p) for p in prompts],
+    }
+    if cfg.topk_logprobs > 0:
+        cols["topk_ids"], cols["topk_logprobs"] = topk_ids, topk_lp
+    return cols
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}"
+
+
+def prepare_output(out_dir: Path, fingerprint: str) -> None:
+    """Keep shards written under the same fingerprint (resume); wipe them if the config changed."""
+    stamp = out_dir / "FINGERPRINT"
+    if out_dir.exists() and (not stamp.exists() or stamp.read_text().strip() != fingerprint):
+        if any(out_dir.iterdir()):
+            log.warning("%s holds shards of another configuration: regenerating from scratch", out_dir)
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint + "\n")
+    for split_dir in [p for p in out_dir.iterdir() if p.is_dir()]:
+        removed = remove_stale_temporaries(split_dir)
+        if removed:
+            log.info("removed %d half-written shard(s) in %s", removed, split_dir)
+
+
+def write_shard(cols: dict[str, list[Any]], final: Path) -> None:
+    import datasets
+
+    with atomic_path(final, is_dir=True) as tmp:
+        datasets.Dataset.from_dict(cols).save_to_disk(str(tmp))
+
+
+def count_tokens(shard: Path) -> tuple[int, int, int]:
+    """(sequences, prompt tokens, response tokens) of a written shard."""
+    import datasets
+
+    ds = datasets.load_from_disk(str(shard))
+    lens = [len(x) for x in ds["input_ids"]]
+    plen = list(ds["prompt_len"])
+    return len(lens), sum(plen), sum(lens) - sum(plen)
+
+
+def elapsed_since(t0: float) -> float:
+    return time.perf_counter() - t0

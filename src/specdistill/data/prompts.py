@@ -1,0 +1,259 @@
+"""Prompt sets for every stage: ShareGPT (train/val), MT-bench and HumanEval, or any `datasets` source.
+
+Every split is a `datasets.Dataset` on disk with the contract columns `id`, `messages` (a list of
+`{role, content}` ending in a user turn), `source`, `category`, plus `reference` (the dataset's own
+answer to the last user turn, for the off-policy `dataset` source; empty for eval sets), `turns` (all
+user turns; MT-bench's second turn follows the model's own first answer), and `prompt` /
+`prompt_tokens` (the target's chat template applied, with the generation prompt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Answer with the whole function in one "
+                         "Python code block.\n\n```python\n{prompt}```")
+
+
+class PromptError(RuntimeError):
+    """A prompt source is missing, malformed or filtered down to nothing."""
+
+
+@dataclass
+class SourceConfig:
+    kind: str = "sharegpt_json"  # sharegpt_json (the pinned, truncated file) | datasets (any load_dataset source)
+    path: str | None = None  # sharegpt_json: the JSON file
+    name: str | None = None  # datasets: a hub id or a builder ("json", "parquet")
+    config: str | None = None
+    split: str = "train"
+    data_files: Any = None
+    format: str = "sharegpt"  # sharegpt ({from, value} turns) | messages ({role, content}) | prompt_response
+    columns: dict[str, str] = field(default_factory=lambda: {"id": "id", "conversation": "conversations"})
+
+
+@dataclass
+class PrepareConfig:
+    source: SourceConfig
+    mtbench_path: str
+    humaneval_path: str
+    num_train: int = 2000
+    num_val: int = 100
+    num_mtbench: int = 80
+    num_humaneval: int = 164
+    val_fraction: float = 0.05
+    max_turns: int = 2
+    min_prompt_tokens: int = 4
+    max_prompt_tokens: int = 512
+    min_reference_chars: int = 1
+    seed: int = 0
+
+
+# --- reading sources -----------------------------------------------------------------------------
+
+@dataclass
+class Recovery:
+    records: list[dict[str, Any]]
+    dropped_bytes: int
+    dropped_records: int  # 1 if the file ends inside a record, else 0
+
+
+def recover_json_array(text: str) -> Recovery:
+    """Parse a JSON array record by record, keeping every complete record of a truncated file."""
+    start = text.find("[")
+    if start < 0:
+        raise PromptError("not a JSON array: no '[' found")
+    decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
+    records: list[dict[str, Any]] = []
+    pos = start + 1
+    while True:
+        pos = sep.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            return Recovery(records, dropped_bytes=0, dropped_records=0)
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return Recovery(records, dropped_bytes=len(text.encode()) - len(text[:pos].encode()), dropped_records=1)
+        records.append(obj)
+
+
+def _normalise(turns: Iterable[tuple[str, str]]) -> list[dict[str, str]]:
+    """Map role names, drop empty turns, merge consecutive turns of one role, drop leading answers.
+
+    ShareGPT V3 splits long conversations into chunks, so many start with an answer or carry an empty
+    user turn; cleaned this way they still give well-formed user/assistant contexts.
+    """
+    out: list[dict[str, str]] = []
+    for r, c in turns:
+        if not isinstance(c, str) or not c.strip():
+            continue
+        role = ROLES.get(r, r)
+        if out and out[-1]["role"] == role:
+            out[-1] = {"role": role, "content": out[-1]["content"] + "\n\n" + c}
+        elif out or role != "assistant":
+            out.append({"role": role, "content": c})
+    return out
+
+
+def read_sharegpt_json(path: str | Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    path = Path(path)
+    if not path.exists():
+        raise PromptError(f"ShareGPT file {path} is missing: run the fetch_assets stage first")
+    rec = recover_json_array(path.read_text(encoding="utf-8"))
+    if rec.dropped_records:
+        log.warning("%s is cut off inside its last record: recovered %d complete conversations, dropped "
+                    "%d partial record (%d bytes)", path.name, len(rec.records), rec.dropped_records, rec.dropped_bytes)
+    if not rec.records:
+        raise PromptError(f"{path} holds no complete conversation")
+    for r in rec.records:
+        yield str(r.get("id")), _normalise((t.get("from", ""), t.get("value")) for t in r.get("conversations", []))
+
+
+def read_datasets_source(src: SourceConfig) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    import datasets
+
+    if not src.name:
+        raise PromptError("data.source.kind=datasets needs data.source.name (a hub id or 'json', 'parquet', ...)")
+    ds = datasets.load_dataset(src.name, src.config, split=src.split, data_files=src.data_files)
+    cols = dict(src.columns)
+    for i, row in enumerate(ds):
+        rid = str(row[cols["id"]]) if cols.get("id") in row else f"{src.name}-{i}"
+        if src.format == "sharegpt":
+            turns = _normalise((t.get("from", ""), t.get("value")) for t in row[cols.get("conversation", "conversations")])
+        elif src.format == "messages":
+            turns = _normalise((t["role"], t["content"]) for t in row[cols.get("conversation", "messages")])
+        elif src.format == "prompt_response":
+            turns = _normalise([("user", row[cols.get("prompt", "prompt")]),
+                                ("assistant", row.get(cols.get("response", "response"), ""))])
+        else:
+            raise PromptError(f"data.source.format={src.format!r}: use sharegpt, messages or prompt_response")
+        yield rid, turns
+
+
+# --- contexts ------------------------------------------------------------------------------------
+
+def contexts(conv_id: str, turns: list[dict[str, str]], max_turns: int) -> Iterator[dict[str, Any]]:
+    """Contexts that end in a user turn: the first 1..max_turns user turns, with the answer that followed."""
+    system = [t for t in turns[:1] if t["role"] == "system"]
+    body = turns[len(system):]
+    n_user = 0
+    for i, t in enumerate(body):
+        if t["role"] != "user" or not t["content"].strip():
+            continue
+        # a well-formed context alternates user/assistant up to this turn
+        if any(body[j]["role"] != ("user" if j % 2 == 0 else "assistant") for j in range(i + 1)):
+            return
+        n_user += 1
+        nxt = body[i + 1]["content"] if i + 1 < len(body) and body[i + 1]["role"] == "assistant" else ""
+        yield {"id": f"{conv_id}#{n_user}", "conv_id": conv_id, "messages": system + body[: i + 1],
+               "reference": nxt, "turns": [b["content"] for b in body[: i + 1] if b["role"] == "user"]}
+        if n_user >= max_turns:
+            return
+
+
+def _hash01(key: str) -> float:
+    return int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
+def _dedup_key(messages: list[dict[str, str]]) -> str:
+    text = "\x00".join(re.sub(r"\s+", " ", m["content"].strip().lower()) for m in messages)
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, int]:
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt, len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def build_train_val(pairs: Iterable[tuple[str, list[dict[str, str]]]], cfg: PrepareConfig, tokenizer: Any,
+                    source_name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+    stats = {"conversations": 0, "contexts": 0, "duplicates": 0, "too_short": 0, "too_long": 0, "no_reference": 0}
+    seen: set[str] = set()
+    kept: list[dict[str, Any]] = []
+    max_chars = cfg.max_prompt_tokens * 12  # cheap pre-filter before tokenising: ~4 chars a token
+    for conv_id, turns in pairs:
+        stats["conversations"] += 1
+        for ctx in contexts(conv_id, turns, cfg.max_turns):
+            stats["contexts"] += 1
+            key = _dedup_key(ctx["messages"])
+            if key in seen:
+                stats["duplicates"] += 1
+                continue
+            seen.add(key)
+            if len(ctx["reference"]) < cfg.min_reference_chars:
+                stats["no_reference"] += 1
+                continue
+            if sum(len(m["content"]) for m in ctx["messages"]) > max_chars:
+                stats["too_long"] += 1
+                continue
+            kept.append(ctx)
+    train, val = [], []
+    for ctx in kept:
+        prompt, n = apply_template(tokenizer, ctx["messages"])
+        if n < cfg.min_prompt_tokens:
+            stats["too_short"] += 1
+            continue
+        if n > cfg.max_prompt_tokens:
+            stats["too_long"] += 1
+            continue
+        row = {"id": ctx["id"], "messages": ctx["messages"], "source": source_name,
+               "category": "multi_turn" if len(ctx["turns"]) > 1 else "single_turn",
+               "reference": ctx["reference"], "turns": ctx["turns"], "prompt": prompt, "prompt_tokens": n}
+        # split by conversation, so no conversation feeds both train and val
+        (val if _hash01(f"split:{ctx['conv_id']}") < cfg.val_fraction else train).append(row)
+    rng = np.random.default_rng(cfg.seed)
+    train = [train[i] for i in rng.permutation(len(train))[: cfg.num_train]]
+    val = [val[i] for i in rng.permutation(len(val))[: cfg.num_val]]
+    if not train or not val:
+        raise PromptError(f"no prompts left for {'train' if not train else 'val'} after filtering ({stats}); "
+                          "relax data.min_prompt_tokens / max_prompt_tokens or raise data.val_fraction")
+    if len(train) < cfg.num_train or len(val) < cfg.num_val:
+        log.warning("asked for %d train / %d val prompts, the source gives %d / %d", cfg.num_train, cfg.num_val,
+                    len(train), len(val))
+    return train, val, stats
+
+
+def mtbench_rows(path: str | Path, tokenizer: Any, limit: int) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        raise PromptError(f"MT-bench questions {path} are missing: run the fetch_assets stage first")
+    rows = []
+    for line in path.read_text().splitlines()[:limit]:
+        q = json.loads(line)
+        messages = [{"role": "user", "content": q["turns"][0]}]
+        prompt, n = apply_template(tokenizer, messages)
+        rows.append({"id": str(q["question_id"]), "messages": messages, "source": "mtbench",
+                     "category": q["category"], "reference": "", "turns": list(q["turns"]),
+                     "prompt": prompt, "prompt_tokens": n})
+    return rows
+
+
+def humaneval_rows(path: str | Path, tokenizer: Any, limit: int) -> list[dict[str, Any]]:
+    import gzip
+
+    path = Path(path)
+    if not path.exists():
+        raise PromptError(f"HumanEval problems {path} are missing: run the fetch_assets stage first")
+    rows = []
+    with gzip.open(path, "rt") as f:
+        for line in list(f)[:limit]:
+            p = json.loads(line)
+            content = HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"])
+            messages = [{"role": "user", "content": content}]
+            prompt, n = apply_template(tokenizer, messages)
+            rows.append({"id": p["task_id"], "messages": messages, "source": "humaneval", "category": "code",
+                         "reference": p.get("canonical_solution", ""), "turns": [content],
+                         "prompt": prompt, "prompt_tokens": n})
+    return rows

@@ -1,0 +1,67 @@
+"""Small file helpers shared by the stages: atomic writes and hashing.
+
+Every stage writes under a temporary name in the destination folder and renames when whole, so a
+killed stage never leaves a half-written file under its final name (rename is atomic on POSIX).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside `final`; rename it to `final` only if the block succeeds."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{final.name}.tmp-"
+    if is_dir:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    else:
+        fd, name = tempfile.mkstemp(prefix=prefix, dir=final.parent)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if is_dir and final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def remove_stale_temporaries(folder: str | Path) -> int:
+    """Delete temporaries that a killed run left behind (they never carry a final name)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    n = 0
+    for p in folder.glob(".*.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        n += 1
+    return n

@@ -1,0 +1,167 @@
+"""The frozen target: one loader for a hub id, a local HF folder or a GGUF file.
+
+`Target.forward` returns logits and, on request, hidden states. Hidden-state indices follow
+`output_hidden_states`: 0 is the embedding output, i is the output of decoder layer i. In
+transformers 5 the last entry is taken AFTER the final norm; EAGLE-style heads want the norm's
+input, so index `num_layers` is served from a hook on the final norm and `"final"` gives the normed one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdistill.io import sha256_file
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(RuntimeError):
+    """The target cannot be loaded as configured."""
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str
+    gguf_file: str | None = None
+    revision: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    attn_implementation: str | None = "sdpa"
+    num_threads: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TargetError(f"unknown target config keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor
+    hidden: dict[int | str, torch.Tensor] = field(default_factory=dict)
+    cache: Any = None
+
+
+def _fingerprint(cfg: TargetConfig, model: torch.nn.Module) -> str:
+    path = Path(cfg.name_or_path)
+    if cfg.gguf_file:
+        return "sha256:" + sha256_file(path / cfg.gguf_file)
+    if path.is_dir():
+        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+        import hashlib
+
+        h = hashlib.sha256()
+        for w in weights:
+            h.update(w.name.encode())
+            h.update(sha256_file(w).encode())
+        return "sha256:" + h.hexdigest()
+    commit = getattr(model.config, "_commit_hash", None) or cfg.revision or "unknown"
+    return f"hub:{cfg.name_or_path}@{commit}"
+
+
+class Target:
+    """A frozen causal LM with its tokenizer and a fingerprint of the weights it was loaded from."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, fingerprint: str = "unknown"):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.config = model.config
+        self.num_layers: int = model.config.num_hidden_layers
+        self._pre_norm: torch.Tensor | None = None
+        norm = getattr(getattr(model, "model", None), "norm", None)
+        if norm is not None:
+            norm.register_forward_hook(self._keep_norm_input)
+
+    def _keep_norm_input(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self._pre_norm = args[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                hidden_layers: list[int | str] | str | None = None, cache: Any = None,
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> TargetOutput:
+        """Logits (float32) and the requested hidden states: a list of indices, "all", or None."""
+        want_hidden = hidden_layers is not None
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, use_cache=cache is not None,
+                         output_hidden_states=want_hidden, logits_to_keep=logits_to_keep)
+        hidden: dict[int | str, torch.Tensor] = {}
+        if want_hidden:
+            states = out.hidden_states
+            layers = list(range(self.num_layers + 1)) + ["final"] if hidden_layers == "all" else hidden_layers
+            for idx in layers:
+                if idx == "final":
+                    hidden["final"] = states[-1]
+                elif idx == self.num_layers:
+                    hidden[idx] = self._pre_norm
+                elif isinstance(idx, int) and 0 <= idx < self.num_layers:
+                    hidden[idx] = states[idx]
+                else:
+                    raise TargetError(f"hidden layer {idx!r} out of range 0..{self.num_layers} or 'final'")
+        self._pre_norm = None
+        return TargetOutput(logits=out.logits.float(), hidden=hidden, cache=getattr(out, "cache", None))
+
+
+def load_tokenizer(cfg: TargetConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    kw: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
+    if cfg.gguf_file:
+        kw["gguf_file"] = cfg.gguf_file
+    return AutoTokenizer.from_pretrained(cfg.name_or_path, **kw)
+
+
+def load_target(cfg: TargetConfig | dict[str, Any]) -> Target:
+    """Load and freeze the target described by `cfg` (see conf/target/)."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(cfg, dict):
+        cfg = TargetConfig.from_dict(cfg)
+    if cfg.dtype not in DTYPES:
+        raise TargetError(f"target.dtype={cfg.dtype!r} is not one of {sorted(DTYPES)}")
+    if cfg.num_threads:
+        torch.set_num_threads(int(cfg.num_threads))
+    if cfg.gguf_file:
+        gguf = Path(cfg.name_or_path) / cfg.gguf_file
+        if not gguf.exists():
+            raise TargetError(f"GGUF file {gguf} does not exist: run the fetch_assets stage first "
+                              "(`dvc repro fetch_assets`) or point target.name_or_path at its folder")
+    kw: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision,
+                          "dtype": DTYPES[cfg.dtype]}
+    if cfg.gguf_file:
+        kw["gguf_file"] = cfg.gguf_file
+    if cfg.attn_implementation:
+        kw["attn_implementation"] = cfg.attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kw)
+    except OSError as e:
+        raise TargetError(f"cannot load target '{cfg.name_or_path}': {e}. Without hub access, point "
+                          "target.name_or_path at a local folder or use the default GGUF target") from e
+    model.to(cfg.device)
+    tokenizer = load_tokenizer(cfg)
+    target = Target(model, tokenizer, _fingerprint(cfg, model))
+    log.info("target %s loaded (%s, %d layers, vocab %d, %s)", cfg.name_or_path, cfg.dtype,
+             target.num_layers, target.vocab_size, target.fingerprint[:20])
+    return target

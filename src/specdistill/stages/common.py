@@ -1,0 +1,42 @@
+"""What every stage run shares: logging set-up, config sections as dataclasses, run settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config section has unknown or missing keys."""
+
+
+def section(cls: type[T], values: dict[str, Any], where: str, **extra: Any) -> T:
+    """Build dataclass `cls` from a config section; unknown keys are errors that name the key."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in `{where}`; valid keys: {sorted(fields)}")
+    try:
+        return cls(**{**values, **extra})
+    except TypeError as e:
+        raise ConfigError(f"`{where}`: {e}") from e
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("httpx", "urllib3", "filelock", "datasets", "transformers.modeling_utils"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": dev, "threads": torch.get_num_threads()}

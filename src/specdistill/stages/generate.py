@@ -1,0 +1,103 @@
+"""generate: the target answers the train / val prompts (on-policy data), in resumable shards."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import datasets
+from tqdm.auto import tqdm
+
+from specdistill.data.generation import (
+    GenerateConfig,
+    GenerationError,
+    count_tokens,
+    generate_shard,
+    prepare_output,
+    shard_name,
+    write_shard,
+)
+from specdistill.io import write_json
+from specdistill.models.target import TargetConfig, load_target
+from specdistill.stages.common import environment, section
+from specdistill.tracking import wandb_run
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    gcfg = section(GenerateConfig, dict(cfg["generate"]), "generate")
+    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    prompts_dir, out = Path(cfg["paths"]["prompts_dir"]), Path(cfg["paths"]["generated_dir"])
+    splits = {}
+    for split in gcfg.splits:
+        if not (prompts_dir / split).exists():
+            raise GenerationError(f"prompt split {prompts_dir / split} is missing: run the prepare stage first")
+        splits[split] = datasets.load_from_disk(str(prompts_dir / split))
+        if len(splits[split]) == 0:
+            raise GenerationError(f"prompt split {split} is empty: check the data config")
+
+    target = load_target(tcfg)
+    fingerprint = gcfg.fingerprint({"target": target.fingerprint, "dtype": tcfg.dtype,
+                                    "prompts": {s: content_hash(d) for s, d in splits.items()}})
+    prepare_output(out, fingerprint)
+    plan = [(s, i, range(i * gcfg.shard_size, min((i + 1) * gcfg.shard_size, len(d))))
+            for s, d in splits.items() for i in range((len(d) + gcfg.shard_size - 1) // gcfg.shard_size)]
+    todo = [p for p in plan if not (out / p[0] / shard_name(p[1])).exists()]
+    log.info("%d shard(s) planned, %d already whole, %d to generate", len(plan), len(plan) - len(todo), len(todo))
+
+    group = cfg.get("experiment_name", "default")
+    with wandb_run(cfg.get("logger"), job_type="generate", group=group, config=cfg) as run_:
+        t0, new_tokens = time.perf_counter(), 0
+        bar = tqdm(total=sum(len(r) for _, _, r in todo), unit="prompt", desc="generate", dynamic_ncols=True)
+
+        def on_tokens(n_prompts: int, n_tokens: int) -> None:
+            nonlocal new_tokens
+            new_tokens += n_tokens
+            rate = new_tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.update(n_prompts)
+            bar.set_postfix(tok_s=f"{rate:.0f}", tokens=new_tokens)
+            run_.log({"generate/tokens": new_tokens, "generate/tokens_per_s": rate})
+
+        for split, idx, rows in todo:
+            rows_ = [splits[split][i] for i in rows]
+            seed = gcfg.seed * 1_000_003 + idx + (0 if split == "train" else 500_009)
+            cols = generate_shard(target.model, target.tokenizer, rows_, gcfg, seed, on_tokens)
+            write_shard(cols, out / split / shard_name(idx))
+        bar.close()
+        elapsed = time.perf_counter() - t0
+
+        counts: dict[str, dict[str, int]] = {}
+        for split, idx, _ in plan:
+            n, p, r = count_tokens(out / split / shard_name(idx))
+            c = counts.setdefault(split, {"sequences": 0, "shards": 0, "prompt_tokens": 0, "response_tokens": 0})
+            c["sequences"] += n
+            c["shards"] += 1
+            c["prompt_tokens"] += p
+            c["response_tokens"] += r
+        manifest = {
+            "config": {"generate": vars(gcfg), "target": vars(tcfg)},
+            "target_fingerprint": target.fingerprint,
+            "fingerprint": fingerprint,
+            "counts": counts,
+            "this_run": {"shards": len(todo), "new_tokens": new_tokens, "seconds": round(elapsed, 2),
+                         "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None},
+            "environment": environment(),
+            "columns": ["id", "input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if gcfg.topk_logprobs else []),
+        }
+        write_json(out / "manifest.json", manifest)
+        run_.summary.update({f"generate/{s}_{k}": v for s, c in counts.items() for k, v in c.items()})
+    log.info("generated %d new tokens in %.1f s (%.1f tokens/s); totals %s", new_tokens, elapsed,
+             new_tokens / max(elapsed, 1e-9), counts)
+    return manifest
+
+
+def content_hash(ds: datasets.Dataset) -> str:
+    """A hash of what the prompts say, so rewriting identical prompts does not invalidate shards."""
+    h = hashlib.sha256()
+    for rid, prompt in zip(ds["id"], ds["prompt"], strict=True):
+        h.update(rid.encode() + b"\0" + prompt.encode() + b"\1")
+    return h.hexdigest()[:16]

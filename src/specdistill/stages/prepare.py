@@ -1,0 +1,60 @@
+"""prepare: prompt sets train / val (ShareGPT or any `datasets` source), mtbench and humaneval on disk."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from specdistill.data.prompts import (
+    PrepareConfig,
+    PromptError,
+    SourceConfig,
+    build_train_val,
+    humaneval_rows,
+    mtbench_rows,
+    read_datasets_source,
+    read_sharegpt_json,
+)
+from specdistill.io import atomic_path, write_json
+from specdistill.models.target import TargetConfig, load_tokenizer
+from specdistill.stages.common import section
+
+log = logging.getLogger(__name__)
+
+
+def save_split(rows: list[dict[str, Any]], final: Path) -> None:
+    import datasets
+
+    if not rows:
+        raise PromptError(f"refusing to write an empty prompt set to {final}")
+    with atomic_path(final, is_dir=True) as tmp:
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    dcfg = dict(cfg["data"])
+    src = section(SourceConfig, dict(dcfg.pop("source")), "data.source")
+    pcfg = section(PrepareConfig, dcfg, "data", source=src)
+    out = Path(cfg["paths"]["prompts_dir"])
+    tokenizer = load_tokenizer(section(TargetConfig, dict(cfg["target"]), "target"))
+
+    if src.kind == "sharegpt_json":
+        pairs = read_sharegpt_json(src.path)
+    elif src.kind == "datasets":
+        pairs = read_datasets_source(src)
+    else:
+        raise PromptError(f"data.source.kind={src.kind!r}: use sharegpt_json or datasets")
+    train, val, stats = build_train_val(pairs, pcfg, tokenizer, source_name=src.name or "sharegpt")
+    splits = {"train": train, "val": val,
+              "mtbench": mtbench_rows(pcfg.mtbench_path, tokenizer, pcfg.num_mtbench),
+              "humaneval": humaneval_rows(pcfg.humaneval_path, tokenizer, pcfg.num_humaneval)}
+    summary: dict[str, Any] = {"filter": stats, "splits": {}}
+    for name, rows in splits.items():
+        save_split(rows, out / name)
+        n_tok = sum(r["prompt_tokens"] for r in rows)
+        summary["splits"][name] = {"prompts": len(rows), "prompt_tokens": n_tok}
+        log.info("%-9s %6d prompts, %8d prompt tokens", name, len(rows), n_tok)
+    log.info("filtering: %s", stats)
+    write_json(out / "summary.json", summary)
+    return summary

@@ -1,0 +1,66 @@
+"""W&B runs for every stage: offline unless told otherwise, rank zero only, always finished.
+
+`WANDB_MODE` in the environment wins over the config, so `WANDB_MODE=online` syncs a run for a user
+with an account and `WANDB_MODE=disabled` silences it; offline runs land in `<dir>/wandb/` and can be
+synced later with `wandb sync`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def is_rank_zero() -> bool:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
+
+class _NoRun:
+    """Stands in for a run when logging is off or on ranks other than zero: every call is a no-op."""
+
+    summary: dict[str, Any] = {}
+    dir = None
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def finish(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def wandb_run(logger_cfg: dict[str, Any] | None, *, job_type: str, group: str, config: dict[str, Any],
+              name: str | None = None) -> Iterator[Any]:
+    """A W&B run for one stage; finished with exit code 1 if the block raises."""
+    cfg = dict(logger_cfg or {})
+    if not cfg.get("enabled", False) or not is_rank_zero():
+        yield _NoRun()
+        return
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE", cfg.get("mode", "offline"))
+    out_dir = cfg.get("dir", ".")
+    os.makedirs(out_dir, exist_ok=True)
+    run = wandb.init(
+        project=cfg.get("project", "specdistill"),
+        entity=cfg.get("entity"),
+        group=group,
+        job_type=job_type,
+        name=name,
+        tags=list(cfg.get("tags") or []),
+        config=config,
+        mode=mode,
+        dir=out_dir,
+        reinit="create_new",  # multirun jobs in one process get one run each, never a merged one
+    )
+    try:
+        yield run
+    except BaseException:
+        run.finish(exit_code=1)
+        raise
+    run.finish()

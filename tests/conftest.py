@@ -1,0 +1,86 @@
+"""Fixtures: a tiny random Llama with a real (tiny, byte-level BPE) tokenizer and a chat template.
+
+Nothing is downloaded: the tokenizer is trained in memory on a few sentences, the model is random.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Write a poem about the sea and the sky.",
+    "def add(a, b):\n    return a + b\n",
+    "Explain speculative decoding to a child in three sentences.",
+    "What is the capital of France? Paris is the capital of France.",
+] * 20
+
+
+def make_tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=320, min_frequency=1,
+                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok.chat_template = CHATML
+    return tok
+
+
+def make_model(vocab_size: int, seed: int = 0, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    # a sharper random distribution than the default init, so sampling tests see structure
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_tokenizer):
+    return make_model(len(tiny_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tiny_tokenizer, tiny_model) -> Path:
+    """A local HF folder (safetensors) that `target=hf target.name_or_path=<dir>` loads."""
+    d = tmp_path_factory.mktemp("tiny_target")
+    tiny_model.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def pytest_collection_modifyitems(config, items):
+    gguf = ROOT / "data/assets/target/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if gguf.exists():
+        return
+    skip = pytest.mark.skip(reason=f"{gguf} is missing: run `make assets` (the fetch_assets stage)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

