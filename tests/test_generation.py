@@ -1,0 +1,202 @@
+"""The generate stage on a tiny random Llama: contract, greedy equivalence, determinism, resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from specdistill.data.generation import GenerateConfig, generate_shard, shard_name, stop_ids
+from specdistill.data.prompts import apply_template
+from specdistill.stages import generate as generate_stage
+from specdistill.stages.prepare import save_split
+
+from .conftest import ROOT
+
+QUESTIONS = ["Write a poem about the sea.", "What is the capital of France?", "def add(a, b):",
+             "Explain speculative decoding.", "The quick brown fox", "Write a poem about the sky and the sea.",
+             "What is", "Explain the lazy dog to a child in three sentences please."]
+
+
+def make_prompts(tok, folder: Path, n_train: int = 20, n_val: int = 6) -> None:
+    def rows(n, tag):
+        out = []
+        for i in range(n):
+            msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({tag} {i})"}]
+            prompt, n_tok = apply_template(tok, msgs)
+            out.append({"id": f"{tag}-{i}", "messages": msgs, "source": "test", "category": "single_turn",
+                        "reference": "Paris is the capital of France.", "turns": [msgs[0]["content"]],
+                        "prompt": prompt, "prompt_tokens": n_tok})
+        return out
+
+    save_split(rows(n_train, "train"), folder / "train")
+    save_split(rows(n_val, "val"), folder / "val")
+
+
+def stage_cfg(target_dir: Path, tmp: Path, **gen) -> dict:
+    g = {"source": "target", "splits": ["train", "val"], "temperature": 1.0, "top_p": 0.9, "top_k": 0,
+         "max_new_tokens": 12, "batch_size": 4, "shard_size": 5, "topk_logprobs": 0, "compact_below": 0.75,
+         "seed": 7}
+    g.update(gen)
+    return {"experiment_name": "test", "seed": 7,
+            "paths": {"prompts_dir": str(tmp / "prompts"), "generated_dir": str(tmp / "generated")},
+            "target": {"name_or_path": str(target_dir), "gguf_file": None, "revision": None, "dtype": "float32",
+                       "device": "cpu", "trust_remote_code": False, "attn_implementation": "sdpa",
+                       "num_threads": None},
+            "generate": g, "logger": {"enabled": False}}
+
+
+def read_split(folder: Path) -> datasets.Dataset:
+    shards = sorted(folder.glob("shard-*"))
+    return datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
+
+
+@pytest.fixture
+def workdir(tmp_path, tiny_tokenizer):
+    make_prompts(tiny_tokenizer, tmp_path / "prompts")
+    return tmp_path
+
+
+def test_stage_writes_the_contract(workdir, tiny_target_dir):
+    manifest = generate_stage.run(stage_cfg(tiny_target_dir, workdir, topk_logprobs=3))
+    train = read_split(workdir / "generated/train")
+    assert train.column_names == ["id", "input_ids", "prompt_len", "topk_ids", "topk_logprobs"]
+    assert len(train) == 20 and len(set(train["id"])) == 20
+    for row in train:
+        n_resp = len(row["input_ids"]) - row["prompt_len"]
+        assert 1 <= n_resp <= 12
+        assert len(row["topk_ids"]) == n_resp and all(len(x) == 3 for x in row["topk_ids"])
+    assert manifest["counts"]["train"]["sequences"] == 20 and manifest["counts"]["val"]["sequences"] == 6
+    assert manifest["target_fingerprint"].startswith("sha256:")
+    assert (workdir / "generated/manifest.json").exists()
+    assert sorted(p.name for p in (workdir / "generated/train").iterdir()) == [shard_name(i) for i in range(4)]
+
+
+def test_topk_logprobs_are_the_targets(workdir, tiny_target_dir, tiny_model):
+    generate_stage.run(stage_cfg(tiny_target_dir, workdir, topk_logprobs=4))
+    row = read_split(workdir / "generated/train")[3]
+    ids = torch.tensor([row["input_ids"]])
+    with torch.no_grad():
+        lp = torch.log_softmax(tiny_model(ids).logits[0].float(), -1)
+    p = row["prompt_len"]
+    for i, (tk, tl) in enumerate(zip(row["topk_ids"], row["topk_logprobs"], strict=True)):
+        assert torch.allclose(lp[p - 1 + i, tk], torch.tensor(tl), atol=1e-4)
+
+
+def test_temperature_zero_equals_greedy_generate(tiny_model, tiny_tokenizer):
+    rows = [{"id": str(i), "prompt": apply_template(tiny_tokenizer, [{"role": "user", "content": q}])[0]}
+            for i, q in enumerate(QUESTIONS)]
+    cfg = GenerateConfig(temperature=0.0, max_new_tokens=16, batch_size=3, compact_below=0.9)
+    cols = generate_shard(tiny_model, tiny_tokenizer, rows, cfg, shard_seed=0)
+    stops = stop_ids(tiny_model, tiny_tokenizer)
+    for seq, plen, r in zip(cols["input_ids"], cols["prompt_len"], rows, strict=True):
+        ids = tiny_tokenizer(r["prompt"], add_special_tokens=False, return_tensors="pt").input_ids
+        ref = tiny_model.generate(ids, do_sample=False, max_new_tokens=16, pad_token_id=2)[0, ids.shape[1]:].tolist()
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stops), len(ref))
+        assert seq[plen:] == ref[:cut]
+
+
+def test_deterministic_for_a_seed_and_seed_sensitive(tiny_model, tiny_tokenizer):
+    rows = [{"id": str(i), "prompt": apply_template(tiny_tokenizer, [{"role": "user", "content": q}])[0]}
+            for i, q in enumerate(QUESTIONS)]
+    cfg = GenerateConfig(temperature=1.0, max_new_tokens=10, batch_size=4)
+    a = generate_shard(tiny_model, tiny_tokenizer, rows, cfg, shard_seed=1)
+    b = generate_shard(tiny_model, tiny_tokenizer, rows, cfg, shard_seed=1)
+    c = generate_shard(tiny_model, tiny_tokenizer, rows, cfg, shard_seed=2)
+    assert a == b
+    assert a["input_ids"] != c["input_ids"]
+
+
+def test_dataset_source_uses_the_references(workdir, tiny_target_dir, tiny_tokenizer):
+    generate_stage.run(stage_cfg(tiny_target_dir, workdir, source="dataset", topk_logprobs=2))
+    row = read_split(workdir / "generated/val")[0]
+    ref = tiny_tokenizer("Paris is the capital of France." + tiny_tokenizer.eos_token,
+                         add_special_tokens=False)["input_ids"][:12]
+    assert row["input_ids"][row["prompt_len"]:] == ref
+    assert len(row["topk_ids"]) == len(ref)
+
+
+def test_changed_config_regenerates(workdir, tiny_target_dir):
+    generate_stage.run(stage_cfg(tiny_target_dir, workdir))
+    first = read_split(workdir / "generated/train")["input_ids"]
+    m = generate_stage.run(stage_cfg(tiny_target_dir, workdir, max_new_tokens=3))
+    assert m["this_run"]["shards"] == 6
+    assert all(len(s) - p <= 3 for s, p in zip(read_split(workdir / "generated/train")["input_ids"],
+                                                 read_split(workdir / "generated/train")["prompt_len"], strict=True))
+    assert first != read_split(workdir / "generated/train")["input_ids"]
+
+
+def test_interrupted_write_leaves_no_half_shard_and_resumes(workdir, tiny_target_dir, monkeypatch):
+    cfg = stage_cfg(tiny_target_dir, workdir)
+    generate_stage.run(cfg)
+    whole = read_split(workdir / "generated/train")
+    import shutil
+
+    shutil.rmtree(workdir / "generated")
+
+    real_save, calls = datasets.Dataset.save_to_disk, {"n": 0}
+
+    def dying_save(self, path, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            real_save(self, path, *a, **k)  # the files are written ... and the process dies before the rename
+            raise KeyboardInterrupt
+        return real_save(self, path, *a, **k)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        generate_stage.run(cfg)
+    monkeypatch.undo()
+    out = workdir / "generated/train"
+    assert sorted(p.name for p in out.iterdir()) == [shard_name(0), shard_name(1)]
+    m = generate_stage.run(cfg)
+    assert m["this_run"]["shards"] == 4  # train shards 2 and 3, val shards 0 and 1
+    assert read_split(out)["input_ids"] == whole["input_ids"]
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import specdistill.stages.generate as g
+    real = g.write_shard
+    def slow_write(cols, final):
+        real(cols, final)
+        time.sleep(0.4)
+    g.write_shard = slow_write
+    g.run(json.loads(sys.argv[1]))
+""")
+
+
+def test_sigkill_mid_run_then_resume(workdir, tiny_target_dir):
+    import json
+
+    cfg = stage_cfg(tiny_target_dir, workdir, shard_size=2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, json.dumps(cfg)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = workdir / "generated/train"
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(out.glob("shard-*"))) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = sorted(p.name for p in out.glob("shard-*"))
+    assert 3 <= len(done_before) < 10, done_before
+    m = generate_stage.run(cfg)
+    assert m["this_run"]["shards"] == 13 - len(done_before)  # 10 train + 3 val shards in all
+    ids = read_split(out)["id"]
+    assert sorted(ids) == sorted(f"train-{i}" for i in range(20))  # none lost, none duplicated
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no half-written shard left
+
+    ref_dir = workdir / "ref"
+    ref_cfg = stage_cfg(tiny_target_dir, ref_dir, shard_size=2)
+    ref_cfg["paths"]["prompts_dir"] = cfg["paths"]["prompts_dir"]
+    generate_stage.run(ref_cfg)
+    assert read_split(out)["input_ids"] == read_split(ref_dir / "generated/train")["input_ids"]

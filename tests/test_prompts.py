@@ -1,0 +1,161 @@
+"""Prompt sets: truncated-JSON recovery, contexts, filtering, the on-disk contract, the prepare stage."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import datasets
+import pytest
+
+from specdistill.data.prompts import (
+    PrepareConfig,
+    PromptError,
+    SourceConfig,
+    build_train_val,
+    contexts,
+    recover_json_array,
+)
+from specdistill.stages import prepare as prepare_stage
+
+CONTRACT = {"id", "messages", "source", "category"}
+
+
+def conv(cid, *turns):
+    return {"id": cid, "conversations": [{"from": r, "value": v} for r, v in turns]}
+
+
+def sharegpt_records(n: int):
+    out = []
+    for i in range(n):
+        out.append(conv(f"c{i}", ("human", f"Question number {i} about the sea?"), ("gpt", f"Answer {i}."),
+                        ("human", f"And a follow-up {i}?"), ("gpt", f"Second answer {i}.")))
+    return out
+
+
+def test_recovers_every_complete_record_of_a_truncated_file():
+    full = json.dumps(sharegpt_records(5), indent=2)
+    cut = full[: full.index('"c4"') + 20]  # inside the last record
+    rec = recover_json_array(cut)
+    assert [r["id"] for r in rec.records] == ["c0", "c1", "c2", "c3"]
+    assert rec.dropped_records == 1 and rec.dropped_bytes > 0
+    whole = recover_json_array(full)
+    assert len(whole.records) == 5 and whole.dropped_records == 0 and whole.dropped_bytes == 0
+    with pytest.raises(PromptError, match="not a JSON array"):
+        recover_json_array('{"a": 1}')
+
+
+def test_contexts_end_in_a_user_turn_and_clean_chunked_conversations():
+    from specdistill.data.prompts import _normalise
+
+    turns = _normalise([("human", ""), ("gpt", "orphan answer"), ("human", "Q1"), ("human", "more"),
+                        ("gpt", "A1"), ("human", "Q2"), ("gpt", "A2"), ("human", "Q3")])
+    ctx = list(contexts("x", turns, max_turns=2))
+    assert [c["messages"][-1]["content"] for c in ctx] == ["Q1\n\nmore", "Q2"]
+    assert all(c["messages"][-1]["role"] == "user" for c in ctx)
+    assert [c["reference"] for c in ctx] == ["A1", "A2"]
+    assert ctx[1]["turns"] == ["Q1\n\nmore", "Q2"]
+    assert len(list(contexts("x", turns, max_turns=5))) == 3
+
+
+def prep_cfg(**kw):
+    base = dict(source=SourceConfig(), mtbench_path="", humaneval_path="", num_train=1000, num_val=1000,
+                val_fraction=0.2, max_turns=2, min_prompt_tokens=1, max_prompt_tokens=512, seed=0)
+    base.update(kw)
+    return PrepareConfig(**base)
+
+
+def pairs(records):
+    from specdistill.data.prompts import _normalise
+
+    return [(r["id"], _normalise((t["from"], t["value"]) for t in r["conversations"])) for r in records]
+
+
+def test_split_is_deterministic_deduplicated_and_by_conversation(tiny_tokenizer):
+    recs = sharegpt_records(60) + [conv("dup", ("human", "Question number 3 about the sea?"), ("gpt", "x"))]
+    train, val, stats = build_train_val(pairs(recs), prep_cfg(), tiny_tokenizer, "sharegpt")
+    assert stats["duplicates"] == 1
+    assert len(train) + len(val) == 120
+    conv_of = lambda rows: {r["id"].split("#")[0] for r in rows}  # noqa: E731
+    assert not conv_of(train) & conv_of(val)
+    again = build_train_val(pairs(recs), prep_cfg(), tiny_tokenizer, "sharegpt")
+    assert [r["id"] for r in again[0]] == [r["id"] for r in train]
+    assert {r["category"] for r in train} == {"single_turn", "multi_turn"}
+    for r in train:
+        assert CONTRACT <= set(r) and r["messages"][-1]["role"] == "user"
+        assert r["prompt"].endswith("<|im_start|>assistant\n") and r["prompt_tokens"] > 0
+
+
+def test_length_filter_and_empty_result_is_an_error(tiny_tokenizer):
+    with pytest.raises(PromptError, match="no prompts left"):
+        build_train_val(pairs(sharegpt_records(10)), prep_cfg(max_prompt_tokens=2), tiny_tokenizer, "s")
+    everything, _, _ = build_train_val(pairs(sharegpt_records(40)), prep_cfg(), tiny_tokenizer, "s")
+    cap = sorted(r["prompt_tokens"] for r in everything)[len(everything) // 2]
+    train, _, stats = build_train_val(pairs(sharegpt_records(40)), prep_cfg(max_prompt_tokens=cap), tiny_tokenizer, "s")
+    assert stats["too_long"] > 0 and all(r["prompt_tokens"] <= cap for r in train)
+
+
+@pytest.fixture
+def tiny_assets(tmp_path):
+    d = tmp_path / "assets"
+    (d / "sharegpt").mkdir(parents=True)
+    text = json.dumps(sharegpt_records(50), indent=2)
+    (d / "sharegpt/sg.json").write_text(text[: len(text) - 40])  # cut off, like the pinned file
+    (d / "mtbench").mkdir()
+    (d / "mtbench/question.jsonl").write_text("\n".join(
+        json.dumps({"question_id": 81 + i, "category": "writing", "turns": [f"Write {i}", f"Rewrite {i}"]})
+        for i in range(5)) + "\n")
+    (d / "humaneval").mkdir()
+    with gzip.open(d / "humaneval/HumanEval.jsonl.gz", "wt") as f:
+        for i in range(3):
+            f.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "canonical_solution": "  return x\n"}) + "\n")
+    return d
+
+
+def prepare_cfg(tmp_path, assets, target_dir, **data):
+    d = {"source": {"kind": "sharegpt_json", "path": str(assets / "sharegpt/sg.json"), "name": None, "config": None,
+                    "split": "train", "data_files": None, "format": "sharegpt",
+                    "columns": {"id": "id", "conversation": "conversations"}},
+         "mtbench_path": str(assets / "mtbench/question.jsonl"),
+         "humaneval_path": str(assets / "humaneval/HumanEval.jsonl.gz"),
+         "num_train": 30, "num_val": 5, "num_mtbench": 80, "num_humaneval": 164, "val_fraction": 0.2,
+         "max_turns": 2, "min_prompt_tokens": 1, "max_prompt_tokens": 512, "min_reference_chars": 1, "seed": 0}
+    d.update(data)
+    return {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "data": d,
+            "target": {"name_or_path": str(target_dir), "dtype": "float32"}}
+
+
+def test_prepare_stage_writes_every_split(tmp_path, tiny_assets, tiny_target_dir, caplog):
+    summary = prepare_stage.run(prepare_cfg(tmp_path, tiny_assets, tiny_target_dir))
+    assert "cut off inside its last record: recovered 49" in caplog.text
+    out = tmp_path / "prompts"
+    for split, n in {"train": 30, "val": 5, "mtbench": 5, "humaneval": 3}.items():
+        ds = datasets.load_from_disk(str(out / split))
+        assert len(ds) == n and CONTRACT <= set(ds.column_names), split
+        assert summary["splits"][split]["prompts"] == n
+    mt = datasets.load_from_disk(str(out / "mtbench"))[0]
+    assert mt["turns"] == ["Write 0", "Rewrite 0"] and mt["messages"] == [{"role": "user", "content": "Write 0"}]
+    he = datasets.load_from_disk(str(out / "humaneval"))[0]
+    assert he["category"] == "code" and "def f0(x):" in he["messages"][0]["content"]
+
+
+def test_any_datasets_source_by_config(tmp_path, tiny_assets, tiny_target_dir):
+    rows = [{"qid": f"q{i}", "msgs": [{"role": "user", "content": f"Tell me about topic {i}"},
+                                      {"role": "assistant", "content": f"Topic {i} is nice."}]} for i in range(40)]
+    path = tmp_path / "local.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = prepare_cfg(tmp_path, tiny_assets, tiny_target_dir, num_train=20, num_val=3)
+    cfg["data"]["source"] = {"kind": "datasets", "path": None, "name": "json", "config": None, "split": "train",
+                             "data_files": str(path), "format": "messages",
+                             "columns": {"id": "qid", "conversation": "msgs"}}
+    prepare_stage.run(cfg)
+    train = datasets.load_from_disk(str(tmp_path / "prompts/train"))
+    assert len(train) == 20 and train[0]["source"] == "json" and train[0]["id"].startswith("q")
+
+
+def test_unknown_data_key_fails_at_start(tmp_path, tiny_assets, tiny_target_dir):
+    from specdistill.stages.common import ConfigError
+
+    cfg = prepare_cfg(tmp_path, tiny_assets, tiny_target_dir, num_trian=5)
+    with pytest.raises(ConfigError, match="num_trian"):
+        prepare_stage.run(cfg)

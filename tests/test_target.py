@@ -1,0 +1,60 @@
+"""The target loader: local HF folders (fast), the real SmolLM2 GGUF (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdistill.models.target import TargetConfig, TargetError, load_target
+
+from .conftest import ROOT
+
+
+def test_local_folder_frozen_with_hidden_states(tiny_target_dir):
+    t = load_target({"name_or_path": str(tiny_target_dir), "dtype": "float32"})
+    assert not any(p.requires_grad for p in t.model.parameters())
+    assert t.fingerprint.startswith("sha256:")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = t.forward(ids, hidden_layers="all")
+    assert out.logits.shape == (1, 4, t.vocab_size) and out.logits.dtype == torch.float32
+    assert set(out.hidden) == set(range(t.num_layers + 1)) | {"final"}
+    pre, final = out.hidden[t.num_layers], out.hidden["final"]
+    # index num_layers is the final norm's input; "final" is its output
+    assert torch.allclose(t.model.model.norm(pre), final, atol=1e-5)
+    assert not torch.allclose(pre, final)
+    chosen = t.forward(ids, hidden_layers=[0, 1]).hidden
+    assert set(chosen) == {0, 1}
+    with pytest.raises(TargetError, match="out of range"):
+        t.forward(ids, hidden_layers=[99])
+
+
+def test_clear_errors():
+    with pytest.raises(TargetError, match="run the fetch_assets stage"):
+        load_target({"name_or_path": "/nonexistent", "gguf_file": "x.gguf"})
+    with pytest.raises(TargetError, match="dtype"):
+        load_target({"name_or_path": "/nonexistent", "dtype": "float8"})
+    with pytest.raises(TargetError, match="unknown target config keys"):
+        TargetConfig.from_dict({"name_or_path": "x", "dtypo": "float32"})
+    with pytest.raises(TargetError, match="cannot load target"):
+        load_target({"name_or_path": "/nonexistent/folder"})
+
+
+@pytest.mark.slow
+def test_real_smollm2_target_generates():
+    from specdistill.data.generation import GenerateConfig, generate_shard
+
+    t = load_target({"name_or_path": str(ROOT / "data/assets/target"),
+                     "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "bfloat16"})
+    assert (t.num_layers, t.vocab_size, t.config.hidden_size) == (30, 49152, 576)
+    assert t.tokenizer.eos_token == "<|im_end|>" and t.tokenizer.convert_tokens_to_ids("<|im_start|>") == 1
+    prompt = t.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             tokenize=False, add_generation_prompt=True)
+    assert "SmolLM" in prompt  # the template's default system prompt
+    cols = generate_shard(t.model, t.tokenizer, [{"id": "0", "prompt": prompt}],
+                          GenerateConfig(temperature=0.0, max_new_tokens=12), shard_seed=0)
+    text = t.tokenizer.decode(cols["input_ids"][0][cols["prompt_len"][0]:])
+    assert "Paris" in text
+    ids = torch.tensor([cols["input_ids"][0]])
+    out = t.forward(ids, hidden_layers=[30, "final"])
+    assert out.hidden[30].shape == (1, ids.shape[1], 576)
+    assert float(out.hidden[30][0, 0].float().norm()) > 10 * float(out.hidden["final"][0, 0].float().norm())
