@@ -19,5 +19,5 @@ if __name__ == "__main__":
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(__doc__)
         sys.exit(0)
-    compose_and_dump(ROOT / "params.yaml", str(ROOT / "conf"), None, "config", str(ROOT / ".dvc"), sys.argv[1:])
+    compose_and_dump(ROOT / "params.yaml", str(ROOT / "conf"), None, "config", str(ROOT), sys.argv[1:])
     print(f"wrote {ROOT / 'params.yaml'} ({' '.join(sys.argv[1:]) or 'defaults'})")

@@ -154,6 +154,9 @@ def load_target(cfg: TargetConfig | dict[str, Any]) -> Target:
         kw["gguf_file"] = cfg.gguf_file
     if cfg.attn_implementation:
         kw["attn_implementation"] = cfg.attn_implementation
+    # transformers 5 dequantizes this GGUF architecture in full (no packed kernel for it), yet warns
+    # that packed weights compute in float32; the warning does not apply, so it is silenced.
+    logging.getLogger("transformers.quantizers.quantizer_gguf").setLevel(logging.ERROR)
     try:
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kw)
     except OSError as e:

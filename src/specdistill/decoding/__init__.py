@@ -1,0 +1,1 @@
+"""Lossless speculative decoding: draft trees, verification rules, the generate loop, proposers."""

@@ -1,0 +1,229 @@
+"""The speculative decoder is lossless: greedy equals plain greedy, samples follow the target.
+
+Greedy and KV-cache tests run the real loop with tiny random HF models. The statistical tests run
+the same loop and rules with bigram tables as target and draft: the exact marginal distribution of
+every position is then known in closed form, and 20,000 samples take seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import specdistill.decoding.loop as loop
+from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
+from specdistill.decoding.tree import DraftTree
+from specdistill.decoding.verifier import TargetVerifier
+from specdistill.decoding.verify import verify_sampling
+from specdistill.models.kv_cache import PreallocatedCache
+from specdistill.sampling import sample, warp
+
+from .conftest import make_model
+
+V = 8  # bigram vocabulary
+
+
+class BigramVerifier:
+    """A target whose next-token logits depend on the last token only."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def prefill(self, ids):
+        return self.table[ids[-1]]
+
+    def score(self, root, tree):
+        nodes = tree.tokens.tolist() if tree is not None else []
+        return self.table[torch.tensor([root] + nodes)]
+
+    def commit(self, path):
+        pass
+
+
+class BigramProposer:
+    """Chain: K tokens sampled from the draft table. Tree: per depth, i.i.d. samples or top-b (deterministic)."""
+
+    def __init__(self, table, k=3, branching=None, iid=False):
+        self.table, self.k, self.branching, self.iid = table, k, branching, iid
+
+    def reset(self):
+        pass
+
+    def propose(self, context, max_depth, sampling, generator):
+        warp_ = functools.partial(warp, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        if self.branching is None:
+            toks, qs, last = [], [], context[-1]
+            for _ in range(min(self.k, max_depth)):
+                q = warp_(self.table[last])
+                last = int(sample(q, generator))
+                toks.append(last)
+                qs.append(q)
+            return DraftTree.chain(toks, torch.stack(qs))
+        toks, parents, qs, frontier = [], [], [], [(-1, context[-1])]
+        for b in self.branching[:max_depth]:
+            nxt = []
+            for node, tok in frontier:
+                q = warp_(self.table[tok])
+                picks = [int(sample(q, generator)) for _ in range(b)] if self.iid else torch.topk(q, b).indices.tolist()
+                for x in picks:
+                    toks.append(x)
+                    parents.append(node)
+                    qs.append(q)
+                    nxt.append((len(toks) - 1, x))
+            frontier = nxt
+        return DraftTree(torch.tensor(toks), torch.tensor(parents), torch.stack(qs) if self.iid else None)
+
+
+def exact_marginals(table, first_logits, sampling, steps):
+    P = warp(table, sampling.temperature, sampling.top_p, sampling.top_k).double()
+    m = warp(first_logits, sampling.temperature, sampling.top_p, sampling.top_k).double()
+    out = [m]
+    for _ in range(steps - 1):
+        m = m @ P
+        out.append(m)
+    return out
+
+
+def sampled_positions(proposer, table, sampling, n=20_000, new=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ver = BigramVerifier(table)
+    draws = np.zeros((n, new), dtype=np.int64)
+    for i in range(n):
+        draws[i] = speculative_generate(ver, proposer, [0], new, set(), sampling, g).tokens
+    return draws
+
+
+def chi2_p(draws, probs):
+    n = len(draws)
+    counts = np.bincount(draws, minlength=len(probs))
+    probs = probs.numpy()
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return 0.0
+    return chisquare(counts[support], probs[support] / probs[support].sum() * n).pvalue
+
+
+@pytest.fixture
+def one_thread():
+    """Thousands of ops on 8-entry tensors: OpenMP's thread hand-off costs more than the work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tables(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(V, V, generator=g) * 1.5
+    draft = torch.randn(V, V, generator=g) * 1.5  # deliberately unrelated to the target
+    return target, draft
+
+
+SAMPLINGS = [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9)]
+
+
+@pytest.mark.parametrize(("shape", "sampling"), [
+    ("chain", SAMPLINGS[0]), ("chain", SAMPLINGS[1]), ("topk_tree", SAMPLINGS[0]), ("topk_tree", SAMPLINGS[1]),
+    ("iid_tree", SAMPLINGS[0])], ids=["chain-T1", "chain-T0.7-p0.9", "topk_tree-T1", "topk_tree-T0.7-p0.9", "iid_tree-T1"])
+def test_samples_follow_the_target_distribution(shape, sampling, one_thread):
+    target, draft = tables()
+    proposer = {"chain": BigramProposer(draft, k=3),
+                "topk_tree": BigramProposer(draft, branching=[3, 2]),
+                "iid_tree": BigramProposer(draft, branching=[2, 2], iid=True)}[shape]
+    draws = sampled_positions(proposer, target, sampling)
+    exact = exact_marginals(target, target[0], sampling, 3)
+    for pos in (1, 2):  # position 0 comes from the prefill; 1 and 2 from verification rounds
+        assert chi2_p(draws[:, pos], exact[pos]) > 1e-3, (shape, pos)
+
+
+@pytest.mark.parametrize("shape", ["chain", "topk_tree"])
+def test_the_test_fails_when_the_rule_is_broken(shape, monkeypatch, one_thread):
+    monkeypatch.setattr(loop, "verify_sampling", functools.partial(verify_sampling, skip_residual=True))
+    target, draft = tables()
+    proposer = BigramProposer(draft, k=3) if shape == "chain" else BigramProposer(draft, branching=[3, 2])
+    sampling = SamplingConfig(1.0)
+    draws = sampled_positions(proposer, target, sampling)
+    exact = exact_marginals(target, target[0], sampling, 3)
+    assert min(chi2_p(draws[:, pos], exact[pos]) for pos in (1, 2)) < 1e-6
+
+
+# --- real (tiny) HF models --------------------------------------------------------------------------
+
+PROMPTS = [[1, 5, 9, 13, 40, 41], [1, 77, 3, 12], [1, 200, 201, 202, 203, 204, 205, 206]]
+
+
+def plain_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=2,
+                         eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_tokenizer):
+    v = len(tiny_tokenizer)
+    half = make_model(v, seed=0)  # the target with a noisy head: agrees on some tokens, not all
+    with torch.no_grad():
+        half.lm_head.weight.add_(torch.randn(half.lm_head.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.06)
+    return make_model(v, seed=0), make_model(v, seed=0), make_model(v, seed=123, layers=1), half
+
+
+@pytest.mark.parametrize("draft_kind", ["good", "half", "bad"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "lookup"])
+def test_greedy_equals_plain_greedy(models, draft_kind, shape):
+    target, good, bad, half = models
+    draft = {"good": good, "bad": bad, "half": half}[draft_kind]
+    proposer = {"chain": DraftLMProposer(draft, k=4), "tree": DraftLMProposer(draft, branching=[2, 2, 1]),
+                "lookup": PromptLookupProposer(k=4)}[shape]
+    ver = TargetVerifier(target, capacity=128)
+    for prompt in PROMPTS:
+        res = speculative_generate(ver, proposer, prompt, 24, stops=set())
+        assert res.tokens == plain_greedy(target, prompt, 24), (shape, draft_kind, prompt)
+        if draft_kind == "good" and shape != "lookup":
+            assert res.tau > 3.0  # the target as its own draft: (almost) everything accepted
+
+
+def test_k0_loop_is_plain_autoregressive(models):
+    target = models[0]
+    res = speculative_generate(TargetVerifier(target, 64), None, PROMPTS[0], 10, set())
+    assert res.tokens == plain_greedy(target, PROMPTS[0], 10)
+    assert res.tau == 1.0 and res.target_forwards == 10
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_kv_cache_after_partial_acceptance_equals_plain_decoding(models, shape):
+    target, _, _, half = models
+    proposer = DraftLMProposer(half, k=4) if shape == "chain" else DraftLMProposer(half, branching=[3, 2, 1])
+    ver = TargetVerifier(target, capacity=128)
+    prompt = PROMPTS[2]
+    res = speculative_generate(ver, proposer, prompt, 20, set())
+    assert any(0 < r.accepted < r.draft_depth for r in res.rounds)  # partial acceptance happened
+    seq = prompt + res.tokens[:-1]  # the last token is emitted but not yet fed
+    plain = PreallocatedCache(target.config.num_hidden_layers, 128)
+    with torch.no_grad():
+        target(input_ids=torch.tensor([seq]), cache=plain, use_cache=True)
+    assert ver.cache.get_seq_length() == len(seq)
+    for a, b in zip(ver.cache.layers, plain.layers, strict=True):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+def test_stop_tokens_and_max_new_tokens(models):
+    target, good, _, _ = models
+    plain = plain_greedy(target, PROMPTS[0], 30)
+    stop = plain[7]
+    res = speculative_generate(TargetVerifier(target, 128), DraftLMProposer(good, k=5), PROMPTS[0], 30, {stop})
+    assert res.tokens == plain[: plain.index(stop) + 1]
+    res = speculative_generate(TargetVerifier(target, 128), DraftLMProposer(good, k=5), PROMPTS[0], 9, set())
+    assert res.tokens == plain[:9]
+
+
+def test_acceptance_counts_condition_on_earlier_positions():
+    r = loop.GenerationResult(tokens=[0] * 9, rounds=[
+        loop.RoundStats(4, 4, 4, 5, 0, 0), loop.RoundStats(4, 4, 1, 2, 0, 0), loop.RoundStats(4, 4, 0, 1, 0, 0)])
+    attempts, accepts = r.acceptance_counts(4)
+    assert attempts == [3, 2, 1, 1] and accepts == [2, 1, 1, 1]
+    assert r.tau == 9 / 4
