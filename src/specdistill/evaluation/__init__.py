@@ -1,0 +1,1 @@
+"""Benchmark runner and accounting: tau, acceptance per position, tokens/s, speed-up."""

@@ -1,0 +1,176 @@
+"""evaluate: speculative decoding on MT-bench and HumanEval; tau, alpha per position, speed-up.
+
+Writes `metrics/<method>.json` (every number with the settings that produced it) and
+`plots/<method>/` (acceptance by position and speed CSVs, sample outputs).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+
+from specdistill.data.generation import stop_ids
+from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
+from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
+from specdistill.io import atomic_path, write_json
+from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target
+from specdistill.models.target import TargetConfig, load_target
+from specdistill.stages.common import ConfigError, environment, section
+from specdistill.tracking import wandb_run
+
+log = logging.getLogger(__name__)
+
+METHODS = ("draft", "lookup")
+
+
+@dataclass
+class EvalConfig:
+    method: str = "draft"  # draft: a separate draft LM | lookup: prompt lookup alone
+    datasets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval"])
+    num_prompts: int = 5  # per dataset; MT-bench prompts run both turns
+    max_new_tokens: int = 96
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    top_p: float = 1.0
+    top_k: int = 0
+    k: int = 4  # draft chain length
+    tree: list[int] | None = None  # branching per depth for a top-k draft tree instead of a chain
+    draft_path: str | None = None  # an HF folder; null: the target's first `draft_layers` layers
+    draft_layers: int = 4
+    hf_baselines: bool = True  # HF generate and HF assisted generation beside ours
+    lookup_k: int = 8
+    lookup_max_ngram: int = 3
+    capacity: int = 4096  # KV cache tokens per generation
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"eval.method={self.method!r}: use one of {METHODS}")
+
+
+def load_conversations(prompts_dir: Path, name: str, n: int) -> list[Conversation]:
+    path = prompts_dir / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run the prepare stage first")
+    ds = datasets.load_from_disk(str(path))
+    return [Conversation(r["id"], list(r["turns"])) for r in ds.select(range(min(n, len(ds))))]
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    ecfg = section(EvalConfig, dict(cfg["eval"]), "eval")
+    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    target = load_target(tcfg)
+    tok, model = target.tokenizer, target.model
+    stops = stop_ids(model, tok)
+    data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts) for name in ecfg.datasets}
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k)
+    ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
+                                             ecfg.capacity, max_pos)
+    lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram)
+    methods = [ours("ar", None)]
+    if ecfg.hf_baselines:
+        methods.append(hf_method("hf_generate", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0))
+    draft_info: dict[str, Any] = {}
+    if ecfg.method == "draft":
+        if ecfg.draft_path:
+            from transformers import AutoModelForCausalLM
+
+            draft = AutoModelForCausalLM.from_pretrained(ecfg.draft_path, dtype=model.dtype).eval()
+        else:
+            draft = draft_from_target(model, ecfg.draft_layers)
+        check_same_vocabulary(draft, model)
+        draft_info = {"draft": ecfg.draft_path or f"target's first {ecfg.draft_layers} layers",
+                      "draft_parameters": sum(p.numel() for p in draft.parameters())}
+        methods.append(ours("spec", DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree, capacity=ecfg.capacity)))
+        if ecfg.hf_baselines:
+            methods.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0,
+                                     assistant=draft, k=ecfg.k))
+        methods.append(ours("lookup", lookup))
+    else:
+        methods.append(ours("spec", lookup))
+
+    group = cfg.get("experiment_name", "default")
+    settings = {"method": ecfg.method, **asdict(ecfg), **draft_info, "chain_or_tree": "tree" if ecfg.tree else "chain",
+                "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
+                "target_fingerprint": target.fingerprint, **environment()}
+    with wandb_run(cfg.get("logger"), job_type=f"evaluate-{ecfg.method}", group=group, config=cfg) as wb:
+        res = run_benchmark(methods, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
+        metrics = summarise(res, ecfg.method, settings)
+        write_outputs(metrics, res, ecfg.method, Path("metrics"), Path("plots"))
+        log_wandb(wb, metrics)
+    for ds_name, temps in metrics["results"].items():
+        for temp, m in temps.items():
+            spec = m["spec"]
+            log.info("%s %s: tau %.2f, speed-up %.2fx over AR (%.1f vs %.1f tok/s)%s", ds_name, temp, spec.get("tau", 1),
+                     spec.get("speedup", 0), spec["tokens_per_s"], m["ar"]["tokens_per_s"],
+                     f", {spec['tokens_per_s'] / m['hf_assisted']['tokens_per_s']:.2f}x HF assisted"
+                     if "hf_assisted" in m else "")
+    return metrics
+
+
+def summarise(res: Any, method: str, settings: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": method, "settings": settings, "results": {}}
+    for (ds_name, temp, name), tally in sorted(res.tallies.items()):
+        ar = res.tallies[(ds_name, temp, "ar")]
+        out["results"].setdefault(ds_name, {}).setdefault(temp, {})[name] = tally.summary(ar)
+    for ds_name, temps in out["results"].items():
+        for temp, m in temps.items():
+            if "hf_assisted" in m:
+                m["spec"]["speedup_vs_hf_assisted"] = round(m["spec"]["tokens_per_s"] / m["hf_assisted"]["tokens_per_s"], 4)
+            m["spec"]["speedup_vs_hf_generate"] = (round(m["spec"]["tokens_per_s"] / m["hf_generate"]["tokens_per_s"], 4)
+                                                   if "hf_generate" in m else None)
+    return out
+
+
+def write_outputs(metrics: dict[str, Any], res: Any, method: str, metrics_dir: Path, plots_root: Path) -> None:
+    write_json(metrics_dir / f"{method}.json", metrics)
+    plots = plots_root / method
+    with atomic_path(plots, is_dir=True) as tmp:
+        with open(tmp / "alpha_by_position.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["setting", "method", "position", "alpha"])
+            for ds_name, temps in metrics["results"].items():
+                for temp, m in temps.items():
+                    for name, s in m.items():
+                        for key, v in s.items():
+                            if key.startswith("alpha_pos"):
+                                w.writerow([f"{ds_name}/{temp}", name, int(key[9:]), v])
+        with open(tmp / "speed.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["setting", "method", "tokens_per_s", "speedup", "tau"])
+            for ds_name, temps in metrics["results"].items():
+                for temp, m in temps.items():
+                    for name, s in m.items():
+                        w.writerow([f"{ds_name}/{temp}", name, s["tokens_per_s"], s.get("speedup", ""), s.get("tau", "")])
+        with open(tmp / "samples.jsonl", "w") as f:
+            for row in res.samples:
+                f.write(json.dumps(row) + "\n")
+
+
+def log_wandb(run: Any, metrics: dict[str, Any]) -> None:
+    if not hasattr(run, "id"):
+        return
+    import wandb
+
+    for ds_name, temps in metrics["results"].items():
+        for temp, m in temps.items():
+            spec = m["spec"]
+            prefix = f"eval/{ds_name}/{temp}"
+            run.summary.update({f"{prefix}/tau": spec.get("tau"), f"{prefix}/speedup": spec.get("speedup"),
+                                f"{prefix}/tokens_per_s": spec["tokens_per_s"]})
+            rows = [[int(k[9:]), v] for k, v in spec.items() if k.startswith("alpha_pos")]
+            if rows:
+                table = wandb.Table(data=rows, columns=["position", "alpha"])
+                run.log({f"{prefix}/alpha_by_position": wandb.plot.line(table, "position", "alpha",
+                                                                        title=f"acceptance by position, {ds_name} {temp}")})
