@@ -50,6 +50,21 @@ def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
         raise
 
 
+def save_dataset(ds: Any, final: str | Path) -> None:
+    """Save a `datasets.Dataset` atomically, with a fingerprint derived from its content.
+
+    An in-memory dataset gets a random fingerprint, which `save_to_disk` writes into state.json; the
+    same rows would then hash differently for DVC on every run and invalidate every later stage.
+    """
+    h = hashlib.sha256()
+    for table in ds.data.to_batches():
+        for col in table.columns:
+            h.update(str(col.to_pylist()).encode())
+    ds._fingerprint = h.hexdigest()[:16]
+    with atomic_path(final, is_dir=True) as tmp:
+        ds.save_to_disk(str(tmp))
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")

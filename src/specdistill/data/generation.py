@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from specdistill.io import atomic_path, remove_stale_temporaries
+from specdistill.io import remove_stale_temporaries, save_dataset
 from specdistill.models.kv_cache import PreallocatedCache
 from specdistill.sampling import sample_logits
 
@@ -246,8 +246,7 @@ def prepare_output(out_dir: Path, fingerprint: str) -> None:
 def write_shard(cols: dict[str, list[Any]], final: Path) -> None:
     import datasets
 
-    with atomic_path(final, is_dir=True) as tmp:
-        datasets.Dataset.from_dict(cols).save_to_disk(str(tmp))
+    save_dataset(datasets.Dataset.from_dict(cols), final)
 
 
 def count_tokens(shard: Path) -> tuple[int, int, int]:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
 
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
@@ -124,8 +123,8 @@ def summarise(res: Any, method: str, settings: dict[str, Any]) -> dict[str, Any]
     for (ds_name, temp, name), tally in sorted(res.tallies.items()):
         ar = res.tallies[(ds_name, temp, "ar")]
         out["results"].setdefault(ds_name, {}).setdefault(temp, {})[name] = tally.summary(ar)
-    for ds_name, temps in out["results"].items():
-        for temp, m in temps.items():
+    for temps in out["results"].values():
+        for m in temps.values():
             if "hf_assisted" in m:
                 m["spec"]["speedup_vs_hf_assisted"] = round(m["spec"]["tokens_per_s"] / m["hf_assisted"]["tokens_per_s"], 4)
             m["spec"]["speedup_vs_hf_generate"] = (round(m["spec"]["tokens_per_s"] / m["hf_generate"]["tokens_per_s"], 4)

@@ -16,9 +16,10 @@ from specdistill.data.prompts import (
     read_datasets_source,
     read_sharegpt_json,
 )
-from specdistill.io import atomic_path, write_json
+from specdistill.io import save_dataset, write_json
 from specdistill.models.target import TargetConfig, load_tokenizer
 from specdistill.stages.common import section
+from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,7 @@ def save_split(rows: list[dict[str, Any]], final: Path) -> None:
 
     if not rows:
         raise PromptError(f"refusing to write an empty prompt set to {final}")
-    with atomic_path(final, is_dir=True) as tmp:
-        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+    save_dataset(datasets.Dataset.from_list(rows), final)
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -38,7 +38,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     pcfg = section(PrepareConfig, dcfg, "data", source=src)
     out = Path(cfg["paths"]["prompts_dir"])
     tokenizer = load_tokenizer(section(TargetConfig, dict(cfg["target"]), "target"))
+    with wandb_run(cfg.get("logger"), job_type="prepare", group=cfg.get("experiment_name", "default"),
+                   config=cfg) as run_:
+        summary = _prepare(src, pcfg, tokenizer, out)
+        run_.summary.update({f"prepare/{k}_prompts": v["prompts"] for k, v in summary["splits"].items()})
+    return summary
 
+
+def _prepare(src: SourceConfig, pcfg: PrepareConfig, tokenizer: Any, out: Path) -> dict[str, Any]:
     if src.kind == "sharegpt_json":
         pairs = read_sharegpt_json(src.path)
     elif src.kind == "datasets":

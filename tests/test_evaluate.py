@@ -1,0 +1,101 @@
+"""The benchmark runner and the evaluate stage on tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
+from specdistill.evaluation.accounting import Tally, expected_accepted_length
+from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
+from specdistill.stages import evaluate as evaluate_stage
+from specdistill.stages.prepare import save_split
+
+from .conftest import make_model
+
+
+def test_tally_sums_counts_before_dividing():
+    t = Tally()
+    t.add(10, 1.0, forwards=5, attempts=[5, 3], accepts=[3, 1])
+    t.add(2, 1.0, forwards=2, attempts=[2], accepts=[0])
+    s = t.summary(ar=Tally(tokens=12, seconds=4.0))
+    assert s["tau"] == round(12 / 7, 4)  # not the mean of 2.0 and 1.0
+    assert s["alpha_pos1"] == round(3 / 7, 4) and s["alpha_pos2"] == round(1 / 3, 4)
+    assert s["speedup"] == 2.0
+
+
+def test_expected_accepted_length():
+    e = expected_accepted_length(0.5, 3)
+    assert e["truncated_sum"] == 1 + 0.5 + 0.25 + 0.125 and e["geometric_limit"] == 2.0
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_tokenizer):
+    return make_model(len(tiny_tokenizer), seed=0), make_model(len(tiny_tokenizer), seed=0)
+
+
+def test_runner_all_methods_agree_at_temperature_zero(pair, tiny_tokenizer):
+    target, draft = pair
+    stops = {tiny_tokenizer.eos_token_id}
+    methods = [our_method("ar", target, None, 12, stops, 256, 4),
+               hf_method("hf_generate", target, 12, stops, 2),
+               our_method("spec", target, DraftLMProposer(draft, k=4), 12, stops, 256, 4),
+               hf_method("hf_assisted", target, 12, stops, 2, assistant=draft, k=4),
+               our_method("lookup", target, PromptLookupProposer(4), 12, stops, 256, 4)]
+
+    def encode(messages):
+        text = tiny_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    data = {"mtbench": [Conversation("1", ["Write a poem about the sea.", "Now shorter."])],
+            "humaneval": [Conversation("h", ["def add(a, b):"])]}
+    res = run_benchmark(methods, data, [0.0, 1.0], 1.0, 0, encode, tiny_tokenizer.decode)
+    for ds in ("mtbench", "humaneval"):
+        texts = {}
+        for s in res.samples:
+            if s["dataset"] == ds and s["temperature"] == 0.0:
+                texts.setdefault((s["id"], s["turn"]), set()).add(s["text"])
+        assert all(len(v) == 1 for v in texts.values()), texts  # lossless: one answer per turn
+    ar = res.tallies[("mtbench", "T0", "ar")].summary()
+    spec = res.tallies[("mtbench", "T0", "spec")].summary()
+    assert ar["tau"] == 1.0 and spec["tau"] > 2.0 and spec["alpha_pos1"] == 1.0
+    assert res.tallies[("mtbench", "T0", "ar")].generations == 2  # both MT-bench turns
+
+
+def test_evaluate_stage_writes_metrics_and_plots(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch):
+    rows = lambda src, turns_list: [{"id": str(i), "messages": [{"role": "user", "content": t[0]}], "source": src,  # noqa: E731
+                                     "category": "x", "reference": "", "turns": t, "prompt": "", "prompt_tokens": 1}
+                                    for i, t in enumerate(turns_list)]
+    save_split(rows("mtbench", [["Write a poem.", "Shorter."], ["What is Paris?", "And France?"]]), tmp_path / "prompts/mtbench")
+    save_split(rows("humaneval", [["def f(x):"]]), tmp_path / "prompts/humaneval")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
+           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+           "eval": {"method": "draft", "num_prompts": 2, "max_new_tokens": 6, "temperatures": [0.0],
+                    "draft_layers": 1, "k": 3, "hf_baselines": True}}
+    metrics = evaluate_stage.run(cfg)
+    saved = json.loads((tmp_path / "metrics/draft.json").read_text())
+    assert saved["results"] == json.loads(json.dumps(metrics["results"]))
+    m = saved["results"]["mtbench"]["T0"]
+    assert set(m) == {"ar", "hf_generate", "spec", "hf_assisted", "lookup"}
+    assert m["ar"]["speedup"] == 1.0 and "speedup_vs_hf_assisted" in m["spec"]
+    for key in ("method", "k", "temperatures", "max_new_tokens", "dtype", "torch", "transformers", "device", "seed"):
+        assert key in saved["settings"], key
+    assert (tmp_path / "plots/draft/alpha_by_position.csv").read_text().startswith("setting,method,position,alpha")
+    assert (tmp_path / "plots/draft/speed.csv").exists()
+
+
+def test_unknown_method_fails_at_start():
+    from specdistill.stages.common import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.method"):
+        evaluate_stage.EvalConfig(method="medusa2")
+
+
+def test_draft_with_another_vocabulary_is_refused(pair):
+    from specdistill.models.draft_lm import DraftError, check_same_vocabulary
+
+    other = make_model(50, seed=1)
+    with pytest.raises(DraftError, match="vocabulary"):
+        check_same_vocabulary(other, pair[0])
