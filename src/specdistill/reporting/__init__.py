@@ -1,0 +1,1 @@
+"""Tables and figures from the metrics files the evaluate stages write."""

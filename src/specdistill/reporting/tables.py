@@ -1,0 +1,66 @@
+"""Markdown tables: one per dataset and temperature, every method measured in the same run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdistill.evaluation.accounting import expected_accepted_length
+
+ROW_NAMES = {"ar": "AR (ours, K=0)", "hf_generate": "HF generate", "spec": "speculative (ours)",
+             "hf_assisted": "HF assisted (same draft)", "lookup": "prompt lookup (ours)"}
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None or v == "":
+        return "–"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
+    s = metrics["settings"]
+    if metrics["method"] == "lookup":
+        return "prompt lookup", "–"
+    return str(s.get("draft") or "draft"), str(s.get("loss") or "untrained")
+
+
+def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: str) -> list[str]:
+    lines = ["| evaluated | method | draft | loss | alpha_pos1 | tau | tokens/s | speed-up vs AR | vs HF assisted |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, metrics in sorted(all_metrics.items()):
+        m = metrics["results"].get(dataset, {}).get(temp)
+        if not m:
+            continue
+        draft, loss = draft_label(metrics)
+        for key in ("ar", "hf_generate", "spec", "hf_assisted", "lookup"):
+            if key not in m:
+                continue
+            s = m[key]
+            label = ROW_NAMES[key] if key != "spec" else f"speculative ({name})"
+            vs_hf = _fmt(s.get("speedup_vs_hf_assisted")) + "x" if key == "spec" and "speedup_vs_hf_assisted" in s else "–"
+            lines.append(f"| {name} | {label} | {draft if key in ('spec', 'hf_assisted') else '–'} | "
+                         f"{loss if key == 'spec' else '–'} | {_fmt(s.get('alpha_pos1'))} | {_fmt(s.get('tau'))} | "
+                         f"{_fmt(s['tokens_per_s'], 1)} | {_fmt(s.get('speedup'))}x | {vs_hf} |")
+    return lines
+
+
+def formula_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
+    """Eq. 2 of the background text against measurement: tau predicted from measured alpha vs tau measured."""
+    lines = ["| evaluated | setting | K | measured alpha_pos1 | mean alpha over positions | 1 + sum_k prod alpha_i (measured alpha_k) | "
+             "1 + sum_k alpha^k (truncated) | 1/(1-alpha) | measured tau |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, metrics in sorted(all_metrics.items()):
+        for dataset, temps in metrics["results"].items():
+            for temp, m in temps.items():
+                s = m.get("spec", {})
+                alphas = [s[f"alpha_pos{k}"] for k in range(1, 64) if f"alpha_pos{k}" in s]
+                if not alphas or "tau" not in s:
+                    continue
+                k = len(alphas)
+                mean_alpha = sum(alphas) / k
+                chained, prod = 1.0, 1.0
+                for a in alphas:
+                    prod *= a
+                    chained += prod
+                e = expected_accepted_length(alphas[0], k)
+                lines.append(f"| {name} | {dataset}/{temp} | {k} | {alphas[0]:.3f} | {mean_alpha:.3f} | {chained:.3f} | "
+                             f"{e['truncated_sum']:.3f} | {e['geometric_limit']:.3f} | {s['tau']:.3f} |")
+    return lines

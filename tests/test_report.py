@@ -1,0 +1,41 @@
+"""The report stage renders every metrics file into tables and figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdistill.stages import report
+
+
+def metrics(method: str, alphas: list[float], tau: float) -> dict:
+    spec = {"tokens": 64, "seconds": 2.0, "tokens_per_s": 32.0, "tau": tau, "speedup": 1.6,
+            "speedup_vs_hf_assisted": 2.1, **{f"alpha_pos{k}": a for k, a in enumerate(alphas, start=1)}}
+    setting = {"ar": {"tokens": 64, "seconds": 3.2, "tokens_per_s": 20.0, "tau": 1.0, "speedup": 1.0},
+               "hf_generate": {"tokens": 64, "seconds": 4.0, "tokens_per_s": 16.0, "speedup": 0.8},
+               "spec": spec}
+    return {"method": method, "settings": {"k": len(alphas), "dtype": "bfloat16", "prompts": {"mtbench": 2},
+                                           "max_new_tokens": 64, "chain_or_tree": "chain", "draft": "d"},
+            "results": {"mtbench": {"T0": setting}}}
+
+
+def test_report_writes_tables_figures_and_the_formula_check(tmp_path, monkeypatch):
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/draft.json").write_text(json.dumps(metrics("draft", [0.8, 0.5, 0.5, 0.2], 2.1)))
+    (tmp_path / "metrics/lookup.json").write_text(json.dumps(metrics("lookup", [0.5, 0.5], 1.4)))
+    monkeypatch.chdir(tmp_path)
+    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
+    text = (tmp_path / "reports/README.md").read_text()
+    assert "## mtbench, temperature 0" in text and "speculative (draft)" in text and "speculative (lookup)" in text
+    assert "| 2.10x |" in text  # vs HF assisted
+    # eq. 2: chained measured alphas 1 + .8 + .4 + .2 + .04 = 2.44; truncated sum with alpha_pos1 = 1+.8+.64+.512+.4096
+    assert "| 2.440 |" in text and "| 3.362 |" in text and "| 5.000 |" in text
+    for png in ("acceptance_by_position.png", "speedup.png", "tau_vs_k.png"):
+        assert (tmp_path / "reports" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_without_metrics_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="run the evaluate stages first"):
+        report.run({"paths": {}, "logger": {"enabled": False}})
