@@ -80,6 +80,18 @@ def test_stage_writes_the_contract(workdir, tiny_target_dir):
     assert sorted(p.name for p in (workdir / "generated/train").iterdir()) == [shard_name(i) for i in range(4)]
 
 
+def test_rerun_with_nothing_to_do_rewrites_nothing(workdir, tiny_target_dir):
+    import hashlib
+
+    cfg = stage_cfg(tiny_target_dir, workdir)
+    first = generate_stage.run(cfg)
+    files = sorted(p for p in (workdir / "generated").rglob("*") if p.is_file())
+    digest = {p: hashlib.md5(p.read_bytes()).hexdigest() for p in files}
+    again = generate_stage.run(cfg)
+    assert again["this_run"]["shards"] == 0 and again["generation"] == first["generation"]
+    assert {p: hashlib.md5(p.read_bytes()).hexdigest() for p in files} == digest  # DVC sees the same output
+
+
 def test_topk_logprobs_are_the_targets(workdir, tiny_target_dir, tiny_model):
     generate_stage.run(stage_cfg(tiny_target_dir, workdir, topk_logprobs=4))
     row = read_split(workdir / "generated/train")[3]
@@ -159,6 +171,10 @@ def test_interrupted_write_leaves_no_half_shard_and_resumes(workdir, tiny_target
     assert sorted(p.name for p in out.iterdir()) == [shard_name(0), shard_name(1)]
     m = generate_stage.run(cfg)
     assert m["this_run"]["shards"] == 4  # train shards 2 and 3, val shards 0 and 1
+    # the manifest's totals add up every shard, whichever run made it
+    assert m["generation"]["new_tokens"] == sum(len(x) - p for x, p in zip(whole["input_ids"], whole["prompt_len"], strict=True)) + \
+        sum(len(x) - p for x, p in zip(read_split(workdir / "generated/val")["input_ids"],
+                                      read_split(workdir / "generated/val")["prompt_len"], strict=True))
     assert read_split(out)["input_ids"] == whole["input_ids"]
 
 
@@ -166,8 +182,8 @@ KILL_SCRIPT = textwrap.dedent("""
     import json, sys, time
     import specdistill.stages.generate as g
     real = g.write_shard
-    def slow_write(cols, final):
-        real(cols, final)
+    def slow_write(*args, **kwargs):
+        real(*args, **kwargs)
         time.sleep(0.4)
     g.write_shard = slow_write
     g.run(json.loads(sys.argv[1]))
@@ -183,8 +199,9 @@ def test_sigkill_mid_run_then_resume(workdir, tiny_target_dir):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = workdir / "generated/train"
     deadline = time.time() + 120
-    while time.time() < deadline and len(list(out.glob("shard-*"))) < 3:
+    while time.time() < deadline and len(list(out.glob("shard-*"))) < 3 and proc.poll() is None:
         time.sleep(0.05)
+    assert proc.poll() is None, "the generating subprocess ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = sorted(p.name for p in out.glob("shard-*"))

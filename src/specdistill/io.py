@@ -50,7 +50,7 @@ def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
         raise
 
 
-def save_dataset(ds: Any, final: str | Path) -> None:
+def save_dataset(ds: Any, final: str | Path, extra_json: dict[str, Any] | None = None) -> None:
     """Save a `datasets.Dataset` atomically, with a fingerprint derived from its content.
 
     An in-memory dataset gets a random fingerprint, which `save_to_disk` writes into state.json; the
@@ -63,6 +63,8 @@ def save_dataset(ds: Any, final: str | Path) -> None:
     ds._fingerprint = h.hexdigest()[:16]
     with atomic_path(final, is_dir=True) as tmp:
         ds.save_to_disk(str(tmp))
+        for name, obj in (extra_json or {}).items():  # renamed together with the data, never apart
+            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def write_json(path: str | Path, obj: Any) -> None:

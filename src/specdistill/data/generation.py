@@ -243,10 +243,19 @@ def prepare_output(out_dir: Path, fingerprint: str) -> None:
             log.info("removed %d half-written shard(s) in %s", removed, split_dir)
 
 
-def write_shard(cols: dict[str, list[Any]], final: Path) -> None:
+SHARD_STATS = "generation.json"
+
+
+def write_shard(cols: dict[str, list[Any]], final: Path, stats: dict[str, Any] | None = None) -> None:
+    """Write a shard and, inside it, how it was made (tokens, seconds): a resumed run's totals stay exact."""
     import datasets
 
-    save_dataset(datasets.Dataset.from_dict(cols), final)
+    save_dataset(datasets.Dataset.from_dict(cols), final, {SHARD_STATS: stats or {}})
+
+
+def shard_stats(shard: Path) -> dict[str, Any]:
+    path = shard / SHARD_STATS
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def count_tokens(shard: Path) -> tuple[int, int, int]:

@@ -18,6 +18,7 @@ from specdistill.data.generation import (
     generate_shard,
     prepare_output,
     shard_name,
+    shard_stats,
     write_shard,
 )
 from specdistill.io import write_json
@@ -65,30 +66,41 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         for split, idx, rows in todo:
             rows_ = [splits[split][i] for i in rows]
             seed = gcfg.seed * 1_000_003 + idx + (0 if split == "train" else 500_009)
+            t_shard, before = time.perf_counter(), new_tokens
             cols = generate_shard(target.model, target.tokenizer, rows_, gcfg, seed, on_tokens)
-            write_shard(cols, out / split / shard_name(idx))
+            write_shard(cols, out / split / shard_name(idx),
+                        {"new_tokens": new_tokens - before, "seconds": round(time.perf_counter() - t_shard, 3)})
         bar.close()
         elapsed = time.perf_counter() - t0
 
         counts: dict[str, dict[str, int]] = {}
+        gen = {"new_tokens": 0, "seconds": 0.0}
         for split, idx, _ in plan:
-            n, p, r = count_tokens(out / split / shard_name(idx))
+            shard = out / split / shard_name(idx)
+            n, p, r = count_tokens(shard)
             c = counts.setdefault(split, {"sequences": 0, "shards": 0, "prompt_tokens": 0, "response_tokens": 0})
             c["sequences"] += n
             c["shards"] += 1
             c["prompt_tokens"] += p
             c["response_tokens"] += r
-        manifest = {
+            stats = shard_stats(shard)
+            gen["new_tokens"] += stats.get("new_tokens", 0)
+            gen["seconds"] += stats.get("seconds", 0.0)
+        # summed over the shards, whichever run made them: a resumed or a no-op rerun gives the same file
+        gen["seconds"] = round(gen["seconds"], 2)
+        gen["tokens_per_s"] = round(gen["new_tokens"] / gen["seconds"], 2) if gen["seconds"] else None
+        previous = {
             "config": {"generate": vars(gcfg), "target": vars(tcfg)},
             "target_fingerprint": target.fingerprint,
             "fingerprint": fingerprint,
             "counts": counts,
-            "this_run": {"shards": len(todo), "new_tokens": new_tokens, "seconds": round(elapsed, 2),
-                         "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None},
+            "generation": gen,
             "environment": environment(),
             "columns": ["id", "input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if gcfg.topk_logprobs else []),
         }
-        write_json(out / "manifest.json", manifest)
+        write_json(out / "manifest.json", previous)
+        this_run = {"shards": len(todo), "new_tokens": new_tokens, "seconds": round(elapsed, 2)}
+        manifest = {**previous, "this_run": this_run}
         run_.summary.update({f"generate/{s}_{k}": v for s, c in counts.items() for k, v in c.items()})
     log.info("generated %d new tokens in %.1f s (%.1f tokens/s); totals %s", new_tokens, elapsed,
              new_tokens / max(elapsed, 1e-9), counts)
