@@ -227,3 +227,33 @@ def test_acceptance_counts_condition_on_earlier_positions():
     attempts, accepts = r.acceptance_counts(4)
     assert attempts == [3, 2, 1, 1] and accepts == [2, 1, 1, 1]
     assert r.tau == 9 / 4
+
+
+def test_alpha_is_one_minus_tv_and_pinsker_bounds_it(one_thread):
+    """The background text's eq. 4 measured: empirical first-position acceptance equals sum min(p, q)
+    = 1 - TV (TV half the L1 distance), and alpha >= 1 - sqrt(KL/2) at every drafted position."""
+    target, draft = tables(3)
+    g = torch.Generator().manual_seed(0)
+    ver, proposer = BigramVerifier(target), BigramProposer(draft, k=2)
+    exact, accepted, kls = [], [], []
+    for _ in range(4000):
+        res = speculative_generate(ver, proposer, [0], 3, set(), SamplingConfig(1.0), g)
+        r = res.rounds[0]
+        exact.append(r.alpha_exact)
+        accepted.append(r.accepted >= 1)
+        kls.append(r.kl)
+        p, q = torch.softmax(target[res.tokens[0]].double(), -1), torch.softmax(draft[res.tokens[0]].double(), -1)
+        assert abs(r.alpha_exact - (1 - 0.5 * float((p - q).abs().sum()))) < 1e-6  # float32 softmax upstream
+        assert r.alpha_exact >= 1 - (r.kl / 2) ** 0.5 - 1e-12
+    mean_exact, rate = float(np.mean(exact)), float(np.mean(accepted))
+    assert abs(rate - mean_exact) < 4 * (mean_exact * (1 - mean_exact) / len(exact)) ** 0.5
+    tally = loop_tally(exact, kls)
+    assert tally["pinsker_violations"] == 0 and tally["pinsker_bound_pos1"] <= tally["alpha_exact_pos1"]
+
+
+def loop_tally(exact, kls):
+    from specdistill.evaluation.accounting import Tally
+
+    t = Tally()
+    t.add(1, 1.0, forwards=1, alpha_exact=exact, kl=kls)
+    return t.summary()

@@ -52,6 +52,9 @@ class RoundStats:
     emitted: int  # tokens added to the output this round (accepted + 1, less any cut at a stop)
     draft_s: float
     verify_s: float
+    # at the first draft position, from the two distributions (DESIGN.md: alpha = sum min(p, q)):
+    alpha_exact: float | None = None  # expected acceptance of the first drafted token
+    kl: float | None = None  # KL(p || q) there (inf where q misses p's support)
 
 
 @dataclass
@@ -68,6 +71,11 @@ class GenerationResult:
     def tau(self) -> float:
         return len(self.tokens) / self.target_forwards
 
+    def first_position(self) -> tuple[list[float], list[float]]:
+        """(alpha_exact, KL) of every round that drafted a sampled first token."""
+        rounds = [r for r in self.rounds if r.alpha_exact is not None]
+        return [r.alpha_exact for r in rounds], [r.kl for r in rounds if r.kl is not None]
+
     def acceptance_counts(self, max_pos: int) -> tuple[list[int], list[int]]:
         """(attempts, accepts) at draft positions 1..max_pos: position k counts when 1..k-1 were accepted."""
         attempts, accepts = [0] * max_pos, [0] * max_pos
@@ -77,6 +85,16 @@ class GenerationResult:
                     attempts[k] += 1
                     accepts[k] += int(r.accepted > k)
         return attempts, accepts
+
+
+def alpha_and_kl(p: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
+    """sum min(p, q) (= 1 - TV with TV half the L1 distance) and KL(p || q), in float64."""
+    p, q = p.double(), q.double()
+    alpha = float(torch.minimum(p, q).sum())
+    support = p > 0
+    if bool((q[support] <= 0).any()):
+        return alpha, float("inf")
+    return alpha, float((p[support] * (p[support] / q[support]).log()).sum())
 
 
 def speculative_generate(verifier: Verifier, proposer: Proposer | None, prompt: list[int], max_new_tokens: int,
@@ -97,16 +115,20 @@ def speculative_generate(verifier: Verifier, proposer: Proposer | None, prompt: 
         t1 = time.perf_counter()
         logits = verifier.score(out[-1], tree)
         tree = tree if tree is not None else DraftTree.empty()
+        alpha_exact = kl = None
         if sampling.greedy:
             path, bonus = verify_greedy(tree, logits)
         else:
-            path, bonus = verify_sampling(tree, warp(logits, sampling.temperature, sampling.top_p, sampling.top_k),
-                                          generator)
+            p = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+            if tree.q is not None and len(tree):
+                alpha_exact, kl = alpha_and_kl(p[0], tree.q[tree.children(-1)[0]])
+            path, bonus = verify_sampling(tree, p, generator)
         verifier.commit(path)
         new = [int(tree.tokens[i]) for i in path] + [bonus]
         cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
         out.extend(new[:cut])
         depth = int(tree.depth.max()) if len(tree) else 0
-        result.rounds.append(RoundStats(len(tree), depth, len(path), cut, t1 - t0, time.perf_counter() - t1))
+        result.rounds.append(RoundStats(len(tree), depth, len(path), cut, t1 - t0, time.perf_counter() - t1,
+                                        alpha_exact, kl))
     del out[max_new_tokens:]
     return result

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -21,15 +22,20 @@ class Tally:
     attempts: list[int] = field(default_factory=list)
     accepts: list[int] = field(default_factory=list)
     generations: int = 0
+    alpha_exact: list[float] = field(default_factory=list)  # sum min(p, q) at the first draft position
+    kl: list[float] = field(default_factory=list)
 
     def add(self, tokens: int, seconds: float, forwards: int = 0, attempts: list[int] | None = None,
-            accepts: list[int] | None = None, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
+            accepts: list[int] | None = None, draft_s: float = 0.0, verify_s: float = 0.0,
+            alpha_exact: list[float] | None = None, kl: list[float] | None = None) -> None:
         self.generations += 1
         self.tokens += tokens
         self.seconds += seconds
         self.forwards += forwards
         self.draft_s += draft_s
         self.verify_s += verify_s
+        self.alpha_exact.extend(alpha_exact or [])
+        self.kl.extend(kl or [])
         for name, new in (("attempts", attempts), ("accepts", accepts)):
             if new:
                 cur = getattr(self, name)
@@ -46,6 +52,15 @@ class Tally:
         for k, (n, a) in enumerate(zip(self.attempts, self.accepts, strict=True), start=1):
             if n:
                 out[f"alpha_pos{k}"] = round(a / n, 4)
+        if self.alpha_exact:  # the background text's eq. 4, checked position by position
+            out["alpha_exact_pos1"] = round(sum(self.alpha_exact) / len(self.alpha_exact), 4)
+            finite = [k for k in self.kl if math.isfinite(k)]
+            if finite:
+                bounds = [1 - math.sqrt(k / 2) for k in finite]
+                out["pinsker_bound_pos1"] = round(sum(bounds) / len(bounds), 4)
+            pairs = [(a, k) for a, k in zip(self.alpha_exact, self.kl, strict=False) if math.isfinite(k)]
+            out["pinsker_violations"] = sum(a < 1 - math.sqrt(k / 2) - 1e-9 for a, k in pairs)
+            out["drafted_positions"] = len(self.alpha_exact)
         if ar is not None and ar.tokens and self.seconds:
             out["speedup"] = round(out["tokens_per_s"] / (ar.tokens / ar.seconds), 4)
         return out

@@ -44,7 +44,9 @@ def our_method(name: str, model: Any, proposer: Proposer | None, max_new_tokens:
     def run(prompt: list[int], sampling: SamplingConfig, g: torch.Generator):
         res = speculative_generate(verifier, proposer, prompt, max_new_tokens, stops, sampling, g)
         attempts, accepts = res.acceptance_counts(max_pos)
+        alpha_exact, kl = res.first_position()
         return res.tokens, {"forwards": res.target_forwards, "attempts": attempts, "accepts": accepts,
+                            "alpha_exact": alpha_exact, "kl": kl,
                             "draft_s": sum(r.draft_s for r in res.rounds),
                             "verify_s": sum(r.verify_s for r in res.rounds) + res.prefill_s}
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from specdistill.io import atomic_path
 from specdistill.reporting import figures
-from specdistill.reporting.tables import formula_check, results_table
+from specdistill.reporting.tables import formula_check, results_table, tv_check
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,12 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str) -> str:
               "alpha_pos1 alone (the truncated geometric sum), and its K → ∞ limit 1/(1-alpha), beside measured tau.",
               "Acceptance falls with position for a weak draft, so a single alpha overstates tau.", "",
               *formula_check(all_metrics), "",
+              "## Eq. 4 against measurement: alpha = 1 - TV, and the Pinsker bound", "",
+              "Where the draft samples (temperature > 0), the decoder records sum min(p, q) and KL(p || q) at the first",
+              "draft position of every round. Their mean should match the measured acceptance there (up to sampling",
+              "noise), and no position may fall below 1 - sqrt(KL/2). A prompt-lookup or greedy draft is deterministic",
+              "and has no q, so it has no row here.", "",
+              *tv_check(all_metrics), "",
               "## Figures", "", "![acceptance by position](acceptance_by_position.png)", "",
               "![speed-up](speedup.png)", "", "![tau vs K](tau_vs_k.png)", ""]
     return "\n".join(lines)
