@@ -23,8 +23,10 @@ def is_rank_zero() -> bool:
 class _NoRun:
     """Stands in for a run when logging is off or on ranks other than zero: every call is a no-op."""
 
-    summary: dict[str, Any] = {}
     dir = None
+
+    def __init__(self) -> None:
+        self.summary: dict[str, Any] = {}  # per instance: a class-level dict would leak between runs
 
     def log(self, *args: Any, **kwargs: Any) -> None:
         pass

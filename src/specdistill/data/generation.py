@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -266,7 +265,3 @@ def count_tokens(shard: Path) -> tuple[int, int, int]:
     lens = [len(x) for x in ds["input_ids"]]
     plen = list(ds["prompt_len"])
     return len(lens), sum(plen), sum(lens) - sum(plen)
-
-
-def elapsed_since(t0: float) -> float:
-    return time.perf_counter() - t0

@@ -1,1 +1,31 @@
 """Tables and figures from the metrics files the evaluate stages write."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+def settings(all_metrics: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
+    """(evaluated method, dataset, temperature, that setting's per-method summaries), in a stable order."""
+    for name, metrics in sorted(all_metrics.items()):
+        for dataset, temps in metrics["results"].items():
+            for temp, m in temps.items():
+                yield name, dataset, temp, m
+
+
+def alphas(summary: dict[str, Any]) -> list[float]:
+    """alpha_pos1, alpha_pos2, ... of one summary, up to the first position never attempted."""
+    out = []
+    while f"alpha_pos{len(out) + 1}" in summary:
+        out.append(summary[f"alpha_pos{len(out) + 1}"])
+    return out
+
+
+def chained_tau(alpha: list[float]) -> list[float]:
+    """tau(K) = 1 + sum_{k<=K} prod_{i<=k} alpha_i for K = 0..len(alpha)."""
+    taus, prod = [1.0], 1.0
+    for a in alpha:
+        prod *= a
+        taus.append(taus[-1] + prod)
+    return taus

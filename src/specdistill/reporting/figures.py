@@ -10,16 +10,15 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from specdistill.reporting import alphas, chained_tau, settings  # noqa: E402
+
 
 def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, metrics in sorted(all_metrics.items()):
-        for dataset, temps in metrics["results"].items():
-            for temp, m in temps.items():
-                s = m.get("spec", {})
-                ks = sorted(int(k[9:]) for k in s if k.startswith("alpha_pos"))
-                if ks:
-                    ax.plot(ks, [s[f"alpha_pos{k}"] for k in ks], marker="o", label=f"{name} {dataset} {temp}")
+    for name, dataset, temp, m in settings(all_metrics):
+        a = alphas(m.get("spec", {}))
+        if a:
+            ax.plot(range(1, len(a) + 1), a, marker="o", label=f"{name} {dataset} {temp}")
     ax.set(xlabel="draft position k", ylabel="alpha_k (accepted | positions < k accepted)", ylim=(0, 1.05),
            title="Acceptance by draft position")
     ax.legend(fontsize=7)
@@ -30,13 +29,11 @@ def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) ->
 
 def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
     labels, values = [], []
-    for name, metrics in sorted(all_metrics.items()):
-        for dataset, temps in metrics["results"].items():
-            for temp, m in temps.items():
-                for key in ("hf_generate", "spec", "hf_assisted"):
-                    if key in m and "speedup" in m[key]:
-                        labels.append(f"{name}:{key}\n{dataset} {temp}")
-                        values.append(m[key]["speedup"])
+    for name, dataset, temp, m in settings(all_metrics):
+        for key in ("hf_generate", "spec", "hf_assisted"):
+            if key in m and "speedup" in m[key]:
+                labels.append(f"{name}:{key}\n{dataset} {temp}")
+                values.append(m[key]["speedup"])
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(values)), 4))
     ax.bar(range(len(values)), values, color=["tab:blue" if ":spec" in lab else "tab:gray" for lab in labels])
     ax.axhline(1.0, color="black", lw=0.8)
@@ -50,20 +47,14 @@ def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
 def tau_vs_k(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
     """tau(K) = 1 + sum_{k<=K} prod_{i<=k} alpha_i from the measured alpha_k, with the measured tau marked."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, metrics in sorted(all_metrics.items()):
-        for dataset, temps in metrics["results"].items():
-            for temp, m in temps.items():
-                s = m.get("spec", {})
-                alphas = [s[f"alpha_pos{k}"] for k in range(1, 64) if f"alpha_pos{k}" in s]
-                if not alphas:
-                    continue
-                taus, prod, tau = [1.0], 1.0, 1.0
-                for a in alphas:
-                    prod *= a
-                    tau += prod
-                    taus.append(tau)
-                line, = ax.plot(range(len(taus)), taus, marker=".", label=f"{name} {dataset} {temp}")
-                ax.scatter([len(alphas)], [s["tau"]], color=line.get_color(), marker="x", s=60)
+    for name, dataset, temp, m in settings(all_metrics):
+        s = m.get("spec", {})
+        a = alphas(s)
+        if not a:
+            continue
+        taus = chained_tau(a)
+        line, = ax.plot(range(len(taus)), taus, marker=".", label=f"{name} {dataset} {temp}")
+        ax.scatter([len(a)], [s["tau"]], color=line.get_color(), marker="x", s=60)
     ax.set(xlabel="draft length K", ylabel="tau (tokens per target forward)",
            title="tau vs K from measured alpha_k (x: measured tau)")
     ax.legend(fontsize=7)

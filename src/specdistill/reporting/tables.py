@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specdistill.evaluation.accounting import expected_accepted_length
+from specdistill.reporting import alphas, chained_tau, settings
 
 ROW_NAMES = {"ar": "AR (ours, K=0)", "hf_generate": "HF generate", "spec": "speculative (ours)",
              "hf_assisted": "HF assisted (same draft)", "lookup": "prompt lookup (ours)"}
@@ -47,22 +48,15 @@ def formula_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     """Eq. 2 of the background text against measurement: tau predicted from measured alpha vs tau measured."""
     lines = ["| evaluated | setting | K | measured alpha_pos1 | mean alpha over positions | 1 + sum_k prod alpha_i (measured alpha_k) | "
              "1 + sum_k alpha^k (truncated) | 1/(1-alpha) | measured tau |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, metrics in sorted(all_metrics.items()):
-        for dataset, temps in metrics["results"].items():
-            for temp, m in temps.items():
-                s = m.get("spec", {})
-                alphas = [s[f"alpha_pos{k}"] for k in range(1, 64) if f"alpha_pos{k}" in s]
-                if not alphas or "tau" not in s:
-                    continue
-                k = len(alphas)
-                mean_alpha = sum(alphas) / k
-                chained, prod = 1.0, 1.0
-                for a in alphas:
-                    prod *= a
-                    chained += prod
-                e = expected_accepted_length(alphas[0], k)
-                lines.append(f"| {name} | {dataset}/{temp} | {k} | {alphas[0]:.3f} | {mean_alpha:.3f} | {chained:.3f} | "
-                             f"{e['truncated_sum']:.3f} | {e['geometric_limit']:.3f} | {s['tau']:.3f} |")
+    for name, dataset, temp, m in settings(all_metrics):
+        s = m.get("spec", {})
+        a = alphas(s)
+        if not a or "tau" not in s:
+            continue
+        k = len(a)
+        e = expected_accepted_length(a[0], k)
+        lines.append(f"| {name} | {dataset}/{temp} | {k} | {a[0]:.3f} | {sum(a) / k:.3f} | {chained_tau(a)[-1]:.3f} | "
+                     f"{e['truncated_sum']:.3f} | {e['geometric_limit']:.3f} | {s['tau']:.3f} |")
     return lines
 
 
@@ -71,13 +65,10 @@ def tv_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     Pinsker's alpha >= 1 - sqrt(KL/2), at every sampled first draft position."""
     lines = ["| evaluated | setting | drafted positions | measured alpha_pos1 | mean sum min(p, q) = 1 - TV | "
              "mean 1 - sqrt(KL/2) | positions where Pinsker fails |", "|---|---|---|---|---|---|---|"]
-    for name, metrics in sorted(all_metrics.items()):
-        for dataset, temps in metrics["results"].items():
-            for temp, m in temps.items():
-                s = m.get("spec", {})
-                if "alpha_exact_pos1" not in s:
-                    continue
-                lines.append(f"| {name} | {dataset}/{temp} | {s['drafted_positions']} | {_fmt(s.get('alpha_pos1'), 3)} | "
-                             f"{s['alpha_exact_pos1']:.3f} | {_fmt(s.get('pinsker_bound_pos1'), 3)} | "
-                             f"{s['pinsker_violations']} |")
+    for name, dataset, temp, m in settings(all_metrics):
+        s = m.get("spec", {})
+        if "alpha_exact_pos1" not in s:
+            continue
+        lines.append(f"| {name} | {dataset}/{temp} | {s['drafted_positions']} | {_fmt(s.get('alpha_pos1'), 3)} | "
+                     f"{s['alpha_exact_pos1']:.3f} | {_fmt(s.get('pinsker_bound_pos1'), 3)} | {s['pinsker_violations']} |")
     return lines

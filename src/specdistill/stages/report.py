@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.io import atomic_path
-from specdistill.reporting import figures
+from specdistill.reporting import figures, settings
 from specdistill.reporting.tables import formula_check, results_table, tv_check
 from specdistill.tracking import wandb_run
 
@@ -64,10 +64,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             figures.acceptance_by_position(all_metrics, tmp / "acceptance_by_position.png")
             figures.speedup_bars(all_metrics, tmp / "speedup.png")
             figures.tau_vs_k(all_metrics, tmp / "tau_vs_k.png")
-        for name, m in all_metrics.items():
-            for dataset, temps in m["results"].items():
-                for temp, r in temps.items():
-                    run_.summary.update({f"report/{name}/{dataset}/{temp}/{k}": v for k, v in r["spec"].items()
-                                         if isinstance(v, int | float)})
+        for name, dataset, temp, r in settings(all_metrics):
+            run_.summary.update({f"report/{name}/{dataset}/{temp}/{k}": v for k, v in r["spec"].items()
+                                 if isinstance(v, int | float)})
     log.info("wrote %s", out / "README.md")
     return {"reports": str(out)}
