@@ -20,6 +20,7 @@ from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.decoding.verify import verify_sampling
+from specdistill.models.hidden import HiddenTap
 from specdistill.models.kv_cache import PreallocatedCache
 from specdistill.sampling import sample, warp
 
@@ -30,6 +31,8 @@ V = 8  # bigram vocabulary
 
 class BigramVerifier:
     """A target whose next-token logits depend on the last token only."""
+
+    features = None
 
     def __init__(self, table: torch.Tensor):
         self.table = table
@@ -54,7 +57,7 @@ class BigramProposer:
     def reset(self):
         pass
 
-    def propose(self, context, max_depth, sampling, generator):
+    def propose(self, context, max_depth, sampling, generator, features=None):
         warp_ = functools.partial(warp, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if self.branching is None:
             toks, qs, last = [], [], context[-1]
@@ -209,6 +212,36 @@ def test_kv_cache_after_partial_acceptance_equals_plain_decoding(models, shape):
     assert ver.cache.get_seq_length() == len(seq)
     for a, b in zip(ver.cache.layers, plain.layers, strict=True):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+class RecordingProposer(DraftLMProposer):
+    """A draft LM that declares feature layers and records what the loop hands it."""
+
+    feature_layers = (2, "final")
+
+    def propose(self, context, max_depth, sampling, generator, features=None):
+        self.seen.append((len(context), features))
+        return super().propose(context, max_depth, sampling, generator, features)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_proposers_receive_the_target_features_of_every_committed_token(models, shape):
+    """Across rounds, the features handed to a proposer are the target's hidden states of context[:-1],
+    in order, each row exactly once (the state that predicted the next token): what Medusa/EAGLE read."""
+    target, _, _, half = models
+    proposer = RecordingProposer(half, k=4) if shape == "chain" else RecordingProposer(half, branching=[3, 2, 1])
+    proposer.seen = []
+    ver = TargetVerifier(target, capacity=128, feature_layers=proposer.feature_layers)
+    prompt = PROMPTS[2]
+    res = speculative_generate(ver, proposer, prompt, 20, set())
+    assert any(0 < r.accepted < r.draft_depth for r in res.rounds)  # rejected nodes must not leak in
+    got = torch.cat([f for _, f in proposer.seen])
+    assert got.shape[0] == proposer.seen[-1][0] - 1  # rows for context[:-1] at the last call
+    seq = (prompt + res.tokens)[: got.shape[0]]
+    with HiddenTap(target, proposer.feature_layers) as tap, torch.no_grad():
+        target(input_ids=torch.tensor([seq]))
+    torch.testing.assert_close(got, tap.concat()[0], atol=1e-5, rtol=1e-4)
+    assert got.shape[1] == 2 * target.config.hidden_size
 
 
 def test_stop_tokens_and_max_new_tokens(models):

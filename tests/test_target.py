@@ -24,6 +24,10 @@ def test_local_folder_frozen_with_hidden_states(tiny_target_dir):
     assert not torch.allclose(pre, final)
     chosen = t.forward(ids, hidden_layers=[0, 1]).hidden
     assert set(chosen) == {0, 1}
+    reference = t.model(input_ids=ids, output_hidden_states=True).hidden_states  # HF's own indices
+    for i in range(t.num_layers):
+        assert torch.equal(out.hidden[i], reference[i])
+    assert torch.equal(final, reference[-1])
     with pytest.raises(TargetError, match="out of range"):
         t.forward(ids, hidden_layers=[99])
 

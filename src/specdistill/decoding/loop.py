@@ -30,13 +30,22 @@ class SamplingConfig:
 
 
 class Proposer(Protocol):
+    """Drafts a tree after `context`. Heads that read the target's hidden states name them in
+    `feature_layers` (indices as in `models/hidden.py`); `features` then holds those states for the
+    context tokens committed since the previous call: the target states of context[:-1] arrive in
+    order across calls (row i predicted the token after it), the last token's state comes next round."""
+
+    feature_layers: tuple = ()
+
     def reset(self) -> None: ...
 
     def propose(self, context: list[int], max_depth: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> DraftTree | None: ...
+                generator: torch.Generator | None, features: torch.Tensor | None = None) -> DraftTree | None: ...
 
 
 class Verifier(Protocol):
+    features: torch.Tensor | None  # hidden states of the tokens the last prefill/commit kept
+
     def prefill(self, ids: list[int]) -> torch.Tensor: ...
 
     def score(self, root: int, tree: DraftTree | None) -> torch.Tensor: ...
@@ -103,13 +112,16 @@ def speculative_generate(verifier: Verifier, proposer: Proposer | None, prompt: 
     t0 = time.perf_counter()
     logits = verifier.prefill(prompt)
     out = [int(sample_logits(logits, sampling.temperature, sampling.top_p, sampling.top_k, generator))]
+    features = verifier.features
     result = GenerationResult(out, prefill_s=time.perf_counter() - t0)
     if proposer is not None:
         proposer.reset()
     while out[-1] not in stops and len(out) < max_new_tokens:
         t0 = time.perf_counter()
         depth_budget = max_new_tokens - len(out) - 1  # accepted + bonus must fit
-        tree = proposer.propose(prompt + out, depth_budget, sampling, generator) if proposer and depth_budget > 0 else None
+        tree = None
+        if proposer is not None and depth_budget > 0:
+            tree = proposer.propose(prompt + out, depth_budget, sampling, generator, features)
         if tree is not None and len(tree) and int(tree.depth.max()) > depth_budget:
             tree = tree.truncate(depth_budget)
         t1 = time.perf_counter()
@@ -124,6 +136,7 @@ def speculative_generate(verifier: Verifier, proposer: Proposer | None, prompt: 
                 alpha_exact, kl = alpha_and_kl(p[0], tree.q[tree.children(-1)[0]])
             path, bonus = verify_sampling(tree, p, generator)
         verifier.commit(path)
+        features = verifier.features
         new = [int(tree.tokens[i]) for i in path] + [bonus]
         cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
         out.extend(new[:cut])

@@ -21,6 +21,7 @@ from specdistill.sampling import sample, warp
 
 
 class DraftLMProposer:
+    feature_layers = ()  # a separate LM reads tokens only
     def __init__(self, model: Any, k: int = 4, branching: list[int] | None = None, capacity: int = 4096):
         if branching is not None and (not branching or min(branching) < 1):
             raise ValueError(f"branching={branching}: one positive branching factor per depth")
@@ -56,7 +57,7 @@ class DraftLMProposer:
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_depth: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> DraftTree | None:
+                generator: torch.Generator | None, features: torch.Tensor | None = None) -> DraftTree | None:
         logits = self._catch_up(context)
         base = len(context)
         try:
@@ -105,6 +106,7 @@ class DraftLMProposer:
 
 
 class PromptLookupProposer:
+    feature_layers = ()
     def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1):
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
 
@@ -112,7 +114,7 @@ class PromptLookupProposer:
         pass
 
     def propose(self, context: list[int], max_depth: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> DraftTree | None:
+                generator: torch.Generator | None, features: torch.Tensor | None = None) -> DraftTree | None:
         k = min(self.k, max_depth)
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             suffix = context[-n:]

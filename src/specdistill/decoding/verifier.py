@@ -3,6 +3,9 @@
 The KV cache keeps exactly the accepted path: a chain is cropped, a tree's accepted nodes are
 gathered down to sit right after the root (positions stay those of the path, which is what a plain
 decode of the same tokens would have written).
+
+Heads that draft from the target's features (Medusa, EAGLE) name the hidden layers they read; the
+verifier then keeps those states for every token it commits (`features`, see `loop.Proposer`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,17 @@ from typing import Any
 import torch
 
 from specdistill.decoding.tree import DraftTree, tree_attention
+from specdistill.models.hidden import HiddenTap, Layer
 from specdistill.models.kv_cache import PreallocatedCache
 
 
 class TargetVerifier:
-    def __init__(self, model: Any, capacity: int = 4096):
+    def __init__(self, model: Any, capacity: int = 4096, feature_layers: tuple[Layer, ...] | list[Layer] = ()):
         self.model = model
+        self.tap = HiddenTap(model, feature_layers) if feature_layers else None
+        # features [n, H * len(feature_layers)] of the tokens committed by the last prefill/commit
+        self.features: torch.Tensor | None = None
+        self._scored: torch.Tensor | None = None
         self.capacity = capacity
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -32,17 +40,25 @@ class TargetVerifier:
     def length(self) -> int:
         return 0 if self.cache is None else self.cache.get_seq_length()
 
+    def _hidden(self, **kw: Any) -> torch.Tensor:
+        """Last hidden states [T, H]; with a tap, the tapped features of these T tokens go to `_scored`."""
+        if self.tap is None:
+            return self.model.get_decoder()(cache=self.cache, use_cache=True, **kw).last_hidden_state[0]
+        with self.tap:
+            hidden = self.model.get_decoder()(cache=self.cache, use_cache=True, **kw).last_hidden_state[0]
+        self._scored = self.tap.concat()[0]
+        return hidden
+
     def _logits(self, **kw: Any) -> torch.Tensor:
-        hidden = self.model.get_decoder()(cache=self.cache, use_cache=True, **kw).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[0]).float()
+        return self.model.get_output_embeddings()(self._hidden(**kw)).float()
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Feed the prompt; returns the logits [V] for the first new token."""
         self.reset()
-        x = torch.tensor([ids], device=self.device)
-        hidden = self.model.get_decoder()(input_ids=x, cache=self.cache, use_cache=True).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[0, -1:]).float()[0]
+        hidden = self._hidden(input_ids=torch.tensor([ids], device=self.device))
+        self.features = self._scored
+        return self.model.get_output_embeddings()(hidden[-1:]).float()[0]
 
     @torch.inference_mode()
     def score(self, root: int, tree: DraftTree | None) -> torch.Tensor:
@@ -63,6 +79,8 @@ class TargetVerifier:
     def commit(self, path: list[int]) -> None:
         """Keep the root and the accepted nodes `path` in the cache; drop the other nodes."""
         start = self._root_pos + 1
+        if self.tap is not None:  # the root and the accepted nodes, in order
+            self.features = self._scored[[0] + [i + 1 for i in path]]
         if self._chain:
             self.cache.crop(start + len(path))
         else:

@@ -39,7 +39,7 @@ class Method:
 
 def our_method(name: str, model: Any, proposer: Proposer | None, max_new_tokens: int, stops: set[int],
                capacity: int, max_pos: int) -> Method:
-    verifier = TargetVerifier(model, capacity)
+    verifier = TargetVerifier(model, capacity, getattr(proposer, "feature_layers", ()))
 
     def run(prompt: list[int], sampling: SamplingConfig, g: torch.Generator):
         res = speculative_generate(verifier, proposer, prompt, max_new_tokens, stops, sampling, g)

@@ -1,9 +1,8 @@
 """The frozen target: one loader for a hub id, a local HF folder or a GGUF file.
 
-`Target.forward` returns logits and, on request, hidden states. Hidden-state indices follow
-`output_hidden_states`: 0 is the embedding output, i is the output of decoder layer i. In
-transformers 5 the last entry is taken AFTER the final norm; EAGLE-style heads want the norm's
-input, so index `num_layers` is served from a hook on the final norm and `"final"` gives the normed one.
+`Target.forward` returns logits and, on request, hidden states (indices as in `models/hidden.py`:
+0 the embeddings, i the output of decoder layer i, so `num_layers` is the final norm's input, and
+`"final"` the normed state).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from specdistill.io import sha256_file
+from specdistill.models.hidden import HiddenLayerError, HiddenTap
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,6 @@ class Target:
         self.fingerprint = fingerprint
         self.config = model.config
         self.num_layers: int = model.config.num_hidden_layers
-        self._pre_norm: torch.Tensor | None = None
-        norm = getattr(getattr(model, "model", None), "norm", None)
-        if norm is not None:
-            norm.register_forward_hook(self._keep_norm_input)
-
-    def _keep_norm_input(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        self._pre_norm = args[0]
 
     @property
     def device(self) -> torch.device:
@@ -103,25 +96,15 @@ class Target:
                 hidden_layers: list[int | str] | str | None = None, cache: Any = None,
                 position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> TargetOutput:
         """Logits (float32) and the requested hidden states: a list of indices, "all", or None."""
-        want_hidden = hidden_layers is not None
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, use_cache=cache is not None,
-                         output_hidden_states=want_hidden, logits_to_keep=logits_to_keep)
-        hidden: dict[int | str, torch.Tensor] = {}
-        if want_hidden:
-            states = out.hidden_states
-            layers = list(range(self.num_layers + 1)) + ["final"] if hidden_layers == "all" else hidden_layers
-            for idx in layers:
-                if idx == "final":
-                    hidden["final"] = states[-1]
-                elif idx == self.num_layers:
-                    hidden[idx] = self._pre_norm
-                elif isinstance(idx, int) and 0 <= idx < self.num_layers:
-                    hidden[idx] = states[idx]
-                else:
-                    raise TargetError(f"hidden layer {idx!r} out of range 0..{self.num_layers} or 'final'")
-        self._pre_norm = None
-        return TargetOutput(logits=out.logits.float(), hidden=hidden, cache=getattr(out, "cache", None))
+        layers = list(range(self.num_layers + 1)) + ["final"] if hidden_layers == "all" else hidden_layers or []
+        try:
+            tap = HiddenTap(self.model, layers)
+        except HiddenLayerError as e:
+            raise TargetError(str(e)) from e
+        with tap:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, use_cache=cache is not None, logits_to_keep=logits_to_keep)
+        return TargetOutput(logits=out.logits.float(), hidden=tap.states, cache=getattr(out, "cache", None))
 
 
 def load_tokenizer(cfg: TargetConfig) -> Any:
