@@ -31,6 +31,11 @@ class DraftLMProposer:
         self.capacity = capacity
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # a reduced-vocabulary draft (models/draft_lm.py): its head scores d2t's target ids only, and q
+        # is zero elsewhere, so greedy picks, top-k children and the sampling rule all stay lossless
+        d2t = getattr(model, "d2t", None)
+        self.d2t = None if d2t is None else d2t.to(self.device)
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.reset()
 
     def reset(self) -> None:
@@ -40,7 +45,12 @@ class DraftLMProposer:
     def _forward(self, ids: list[int] | torch.Tensor, **kw: Any) -> torch.Tensor:
         x = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
         hidden = self.model.get_decoder()(input_ids=x, cache=self.cache, use_cache=True, **kw).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[0]).float()
+        logits = self.model.get_output_embeddings()(hidden[0]).float()
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.d2t] = logits
+        return full
 
     def _catch_up(self, context: list[int]) -> torch.Tensor:
         """Feed the context tokens the cache lacks; returns the logits after the last one."""

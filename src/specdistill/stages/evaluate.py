@@ -19,7 +19,7 @@ from specdistill.data.generation import stop_ids
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
 from specdistill.io import atomic_path, write_json
-from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target
+from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
 from specdistill.tracking import wandb_run
@@ -40,7 +40,8 @@ class EvalConfig:
     top_k: int = 0
     k: int = 4  # draft chain length
     tree: list[int] | None = None  # branching per depth for a top-k draft tree instead of a chain
-    draft_path: str | None = None  # an HF folder; null: the target's first `draft_layers` layers
+    draft_path: str | None = None  # a draft folder (train@draft writes models/draft); null: untrained
+    # (the target's first `draft_layers` layers)
     draft_layers: int = 4
     hf_baselines: bool = True  # HF generate and HF assisted generation beside ours
     lookup_k: int = 8
@@ -51,6 +52,16 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"eval.method={self.method!r}: use one of {METHODS}")
+
+
+def draft_training(path: str | None) -> dict[str, Any] | None:
+    """How a trained draft was made (size, loss, data), from the file train@draft writes beside it."""
+    meta = Path(path) / "specdistill.json" if path else None
+    if meta is None or not meta.exists():
+        return None
+    s = json.loads(meta.read_text())
+    return {"draft_size": s.get("draft", {}).get("name"), "loss": s.get("loss", {}).get("name"),
+            "init": s.get("method", {}).get("init"), "data": s.get("distill", {}).get("data", {}).get("source")}
 
 
 def load_conversations(prompts_dir: Path, name: str, n: int) -> list[Conversation]:
@@ -83,16 +94,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     draft_info: dict[str, Any] = {}
     if ecfg.method == "draft":
         if ecfg.draft_path:
-            from transformers import AutoModelForCausalLM
-
-            draft = AutoModelForCausalLM.from_pretrained(ecfg.draft_path, dtype=model.dtype).eval()
+            draft = load_draft(ecfg.draft_path, dtype=model.dtype)
         else:
             draft = draft_from_target(model, ecfg.draft_layers)
         check_same_vocabulary(draft, model)
+        reduced = getattr(draft, "d2t", None) is not None
         draft_info = {"draft": ecfg.draft_path or f"target's first {ecfg.draft_layers} layers",
-                      "draft_parameters": sum(p.numel() for p in draft.parameters())}
+                      "draft_parameters": sum(p.numel() for p in draft.parameters()),
+                      "draft_vocab": len(draft.d2t) if reduced else target.vocab_size,
+                      "draft_training": draft_training(ecfg.draft_path)}
         methods.append(ours("spec", DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree, capacity=ecfg.capacity)))
-        if ecfg.hf_baselines:
+        if ecfg.hf_baselines and not reduced:  # HF assisted generation needs the draft's full vocabulary
             methods.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0,
                                      assistant=draft, k=ecfg.k))
         methods.append(ours("lookup", lookup))

@@ -1,0 +1,254 @@
+"""train@M: distill a draft of method M from the frozen target with Lightning.
+
+Writes `models/<M>/` (the draft: a plain HF folder, + d2t for a reduced vocabulary),
+`metrics/train_<M>.json` (the final validation acceptance with the settings) and
+`plots/train_<M>/val.csv` (val/alpha against step: the acceptance curve). Checkpoints go to
+`checkpoints/<M>/` under a fingerprint of everything that shapes the run, so a killed stage resumes
+from `last.ckpt` and a changed config starts afresh. In a Hydra multirun (`-m draft=xs,s loss=fkl,tvd`)
+each job writes into its own output folder and its metrics to `metrics/sweep/`, where the report
+stage reads the sweep table from.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from specdistill.data.datamodule import DataConfig, DistillDataModule
+from specdistill.data.generation import stop_ids
+from specdistill.io import atomic_path, write_json
+from specdistill.models.draft_lm import (
+    INITS,
+    DraftSize,
+    build_draft,
+    check_same_vocabulary,
+    draft_vocabulary,
+    load_draft,
+    save_draft,
+)
+from specdistill.models.target import TargetConfig, load_target
+from specdistill.stages.common import ConfigError, environment, section
+from specdistill.training.losses import LossError, build_loss
+
+log = logging.getLogger(__name__)
+
+METHODS = ("draft",)
+
+
+@dataclass
+class MethodConfig:
+    name: str = "draft"
+    init: str = "from_target"
+    vocab_size: int | None = None
+    init_from: str | None = None  # a saved draft folder to start from instead (continue, or validate with max_steps=0)
+
+
+@dataclass
+class LossConfig:
+    name: str = "fkl"
+    temperature: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DistillConfig:
+    teacher: str = "live"
+    data: dict[str, Any] = field(default_factory=dict)
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] | None = None
+    tau_k: int = 4
+    max_k: int = 8
+
+
+@dataclass
+class Plan:
+    """Where a run writes, decided before anything heavy loads."""
+
+    model_dir: Path
+    ckpt_dir: Path
+    metrics_file: Path
+    plots_dir: Path | None
+    run_name: str
+
+
+def _hydra_job_dir() -> Path | None:
+    """The job's own folder in a Hydra multirun; None in a single run (DVC stages, hand runs)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            return Path(HydraConfig.get().runtime.output_dir)
+    except ImportError:  # pragma: no cover
+        pass
+    return None
+
+
+def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str) -> Plan:
+    paths = cfg["paths"]
+    name = f"{method}-{draft}-{loss}"
+    job = _hydra_job_dir()
+    if job is not None:
+        return Plan(job / "model", job / "checkpoints", Path(paths.get("metrics_dir", "metrics")) / "sweep" / f"{name}.json",
+                    None, name)
+    return Plan(Path(paths.get("models_dir", "models")) / method, Path(paths.get("checkpoints_dir", "checkpoints")) / method,
+                Path(paths.get("metrics_dir", "metrics")) / f"train_{method}.json",
+                Path(paths.get("plots_dir", "plots")) / f"train_{method}", name)
+
+
+def fingerprint(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def resume_point(ckpt_dir: Path, stamp: str) -> tuple[str | None, str | None]:
+    """(`last.ckpt`, W&B run id) of an interrupted run of the same configuration, else (None, None).
+
+    Read-only: every rank decides from the same files before any rank changes them; rank zero
+    clears a foreign folder later (`CheckpointDir`), once all processes have started.
+    """
+    marker = ckpt_dir / "FINGERPRINT"
+    if not marker.exists() or marker.read_text().strip() != stamp:
+        return None, None
+    last, run_id = ckpt_dir / "last.ckpt", ckpt_dir / "wandb_id"
+    return (str(last) if last.exists() else None), (run_id.read_text().strip() if run_id.exists() else None)
+
+
+class CheckpointDir(Callback):
+    """On rank zero, a fresh checkpoint folder unless this configuration resumes from it."""
+
+    def __init__(self, ckpt_dir: Path, stamp: str, run_id: str):
+        self.ckpt_dir, self.stamp, self.run_id = ckpt_dir, stamp, run_id
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.is_global_zero:
+            marker = self.ckpt_dir / "FINGERPRINT"
+            if self.ckpt_dir.exists() and (not marker.exists() or marker.read_text().strip() != self.stamp):
+                log.warning("%s holds checkpoints of another configuration: starting afresh", self.ckpt_dir)
+                shutil.rmtree(self.ckpt_dir)
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            marker.write_text(self.stamp + "\n")
+            (self.ckpt_dir / "wandb_id").write_text(self.run_id + "\n")
+        trainer.strategy.barrier("checkpoint-dir")
+
+
+def _wandb_logger(logger_cfg: dict[str, Any] | None, run_id: str, run_name: str, group: str,
+                  config: dict[str, Any]) -> Any:
+    cfg = dict(logger_cfg or {})
+    if not cfg.get("enabled", False):
+        return False
+    from lightning.pytorch.loggers import WandbLogger
+
+    os.makedirs(cfg.get("dir", "."), exist_ok=True)
+    mode = os.environ.get("WANDB_MODE", cfg.get("mode", "offline"))
+    return WandbLogger(project=cfg.get("project", "specdistill"), entity=cfg.get("entity"), group=group,
+                       job_type="train", name=run_name, tags=list(cfg.get("tags") or []), mode=mode,
+                       save_dir=cfg.get("dir", "."), id=run_id, resume="allow", config=config)
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    import hydra.utils
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    # every section is checked before the target loads: a bad config fails at start
+    name = cfg.get("method")
+    if name not in METHODS:
+        raise ConfigError(f"method={name!r}: use one of {METHODS}")
+    mcfg = section(MethodConfig, dict(cfg["methods"][name]), f"methods.{name}")
+    if mcfg.init not in INITS:
+        raise ConfigError(f"methods.{name}.init={mcfg.init!r}: use one of {INITS}")
+    size = section(DraftSize, dict(cfg["draft"]), "draft")
+    lcfg = section(LossConfig, dict(cfg["loss"]), "loss")
+    dist = section(DistillConfig, dict(cfg["distill"]), "distill")
+    dcfg = section(DataConfig, dict(dist.data), "distill.data")
+    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    try:
+        loss = build_loss(lcfg.name, lcfg.temperature, **lcfg.params)
+    except LossError as e:
+        raise ConfigError(f"loss: {e}") from e
+    if dist.teacher == "stored" and loss.needs_full_teacher:
+        raise ConfigError(f"loss={lcfg.name} needs the target's full distribution; distill.teacher=stored keeps only "
+                          "its top-k: use distill.teacher=live or loss=fkl/topk_kl")
+    optimizer = hydra.utils.instantiate(dist.optimizer)
+    scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
+    trainer_kwargs = dict(cfg["trainer"])
+    plan = plan_outputs(cfg, name, size.name, lcfg.name)
+    generated = Path(cfg["paths"]["generated_dir"])
+
+    target = load_target(tcfg)
+    datamodule = DistillDataModule(dcfg, generated, cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer,
+                                   pad_id=target.tokenizer.pad_token_id or 0)
+    datamodule.setup("fit")
+    if mcfg.init_from:
+        draft = load_draft(mcfg.init_from).float().train().requires_grad_(True)
+        check_same_vocabulary(draft, target.model)
+        d2t = getattr(draft, "d2t", None)
+    else:
+        d2t = None
+        if mcfg.vocab_size:
+            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
+                                   always=sorted(stop_ids(target.model, target.tokenizer)))
+        draft = build_draft(target.model, size, mcfg.init, d2t, seed=int(cfg.get("seed", 0)))
+
+    from specdistill.training.draft import DraftLMModule
+
+    module = DraftLMModule(target.model, draft, loss=loss, optimizer=optimizer, scheduler=scheduler,
+                           teacher=dist.teacher, tau_k=dist.tau_k, max_k=dist.max_k)
+    data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
+    stamp = fingerprint({"method": asdict(mcfg), "draft": asdict(size), "loss": asdict(lcfg), "distill": cfg["distill"],
+                         "trainer": trainer_kwargs, "target": target.fingerprint, "data": data_stamp, "seed": cfg.get("seed")})
+    ckpt_path, run_id = resume_point(plan.ckpt_dir, stamp)
+    if ckpt_path:
+        log.info("resuming from %s", ckpt_path)
+    run_id = run_id or f"{stamp[:8]}-{os.urandom(3).hex()}"  # a resumed stage continues its W&B run
+    group = cfg.get("experiment_name", "default")
+    logger = _wandb_logger(cfg.get("logger"), run_id, plan.run_name, group, cfg)
+    # after every validation pass, so a checkpoint holds the acceptance curve up to its step
+    checkpoint = ModelCheckpoint(dirpath=plan.ckpt_dir, filename="step{step}", save_last=True, save_top_k=1,
+                                 save_on_train_epoch_end=False, auto_insert_metric_name=False)
+    try:
+        trainer = pl.Trainer(**trainer_kwargs, logger=logger, use_distributed_sampler=False,
+                             callbacks=[CheckpointDir(plan.ckpt_dir, stamp, run_id), checkpoint],
+                             default_root_dir=str(plan.ckpt_dir))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"trainer: {e}") from e
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    final = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
+    history = {row["step"]: row for row in module.val_history}  # the final pass may repeat the last step
+    result = {"method": name, "final": final, "steps": trainer.global_step,
+              "settings": {"method": asdict(mcfg), "draft": asdict(size), "loss": asdict(lcfg), "distill": cfg["distill"],
+                           "trainer": trainer_kwargs, "experiment": group, "target_fingerprint": target.fingerprint,
+                           "train_tokens": datamodule.num_train_tokens, "val_tokens": datamodule.num_val_tokens,
+                           "draft_parameters": sum(p.numel() for p in draft.parameters()),
+                           "draft_vocab": None if d2t is None else len(d2t), **environment()}}
+    if trainer.is_global_zero:
+        draft.d2t = None if module.d2t is None else module.d2t.cpu()
+        save_draft(draft.eval(), plan.model_dir, target.tokenizer, extra=result["settings"])
+        write_json(plan.metrics_file, result)
+        if plan.plots_dir is not None:
+            write_curve(sorted(history.values(), key=lambda r: r["step"]), plan.plots_dir)
+        log.info("%s: val/alpha %.3f, alpha at T=0 %.3f, tau_sim(K=%d) %.2f after %d steps -> %s", plan.run_name,
+                 final.get("val/alpha", 0), final.get("val/alpha_t0", 0), dist.tau_k, final.get("val/tau_sim", 0),
+                 trainer.global_step, plan.model_dir)
+    if logger:
+        logger.experiment.finish()  # a multirun's next job gets its own run
+    return result
+
+
+def write_curve(rows: list[dict[str, Any]], plots_dir: Path) -> None:
+    keys = ["step", "val/alpha", "val/alpha_t0", "val/tau_sim", "val/tau_sim_t0"]
+    with atomic_path(plots_dir, is_dir=True) as tmp:
+        with open(tmp / "val.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow([k.replace("val/", "") for k in keys])
+            for r in rows:
+                w.writerow([r.get(k) for k in keys])

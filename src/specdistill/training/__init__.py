@@ -1,0 +1,1 @@
+"""Distillation of drafts: losses, metrics, Lightning modules."""

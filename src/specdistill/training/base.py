@@ -1,0 +1,144 @@
+"""The distillation base every draft method extends: a frozen target, the masked loss, acceptance metrics.
+
+A method says how its student turns a batch into logits at the loss positions (`student_logits`);
+the base gets the teacher's logits there from the frozen target (live, the default) or from the
+top-k the generate stage stored, applies the divergence from `losses.py`, and on validation
+accumulates `AcceptanceMetric` over the full vocabulary. Optimizer and scheduler arrive as
+factories (Hydra `_partial_` objects), so a config picks them without code here.
+
+The target is held outside the module tree on purpose: it is frozen, so it must not enter the
+optimizer, the checkpoint (270 MB of weights the target folder already has) or DDP's gradient sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics import MeanMetric
+
+from specdistill.training.losses import Divergence, Teacher
+from specdistill.training.metrics import AcceptanceMetric
+
+TEACHERS = ("live", "stored")
+
+
+def logits_at(model: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor, head: Any = None) -> torch.Tensor:
+    """[N, V] logits of a causal LM at the N True positions of `mask` only: the full [B, T, V]
+    tensor of a 49k vocabulary is most of a step's memory and none of its signal."""
+    hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    return (head or model.get_output_embeddings())(hidden[mask]).float()
+
+
+class DistillModule(pl.LightningModule):
+    def __init__(self, target_model: Any, loss: Divergence, optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., Any] | None = None, teacher: str = "live", tau_k: int = 4, max_k: int = 8):
+        super().__init__()
+        if teacher not in TEACHERS:
+            raise ValueError(f"distill.teacher={teacher!r}: use one of {TEACHERS}")
+        self._target = [target_model.eval().requires_grad_(False)]  # a list: not a submodule (see above)
+        self.loss = loss
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.teacher_source, self.tau_k = teacher, tau_k
+        self.val_acceptance = AcceptanceMetric(max_k)
+        self.val_loss = MeanMetric()  # token-weighted and summed across ranks: exact under uneven shards
+        self.val_history: list[dict[str, float]] = []  # one row per validation pass: the acceptance curve
+
+    @property
+    def target(self) -> Any:
+        return self._target[0]
+
+    def _place_target(self) -> None:
+        if next(self.target.parameters()).device != self.device:
+            self._target[0] = self.target.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self._place_target()
+
+    def on_validation_start(self) -> None:
+        self._place_target()
+
+    # --- what a method provides -------------------------------------------------------------------
+    def student_logits(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """[N, V_student] logits at the loss positions."""
+        raise NotImplementedError
+
+    def to_target_vocab(self, student_logits: torch.Tensor) -> torch.Tensor:
+        """Student logits over the target's vocabulary (a reduced head scatters; -inf elsewhere)."""
+        return student_logits
+
+    def teacher_in_student_vocab(self, teacher: Teacher, targets: torch.Tensor) -> tuple[Teacher, torch.Tensor]:
+        """The teacher (and hard targets, -100 where the student cannot emit them) in the student's vocabulary."""
+        return teacher, targets
+
+    def _loss(self, student: torch.Tensor, teacher: Teacher, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        teacher, targets = self.teacher_in_student_vocab(teacher, targets)
+        # positions the student can learn from: a hard target it can emit, or teacher mass on its vocabulary
+        if self.loss.name == "ce":
+            valid = targets >= 0
+        elif teacher.logits is not None:
+            valid = torch.isfinite(teacher.logits).any(-1)
+        else:
+            valid = torch.ones_like(targets, dtype=torch.bool)
+        return self.loss(student, teacher, mask=valid, targets=targets.clamp(min=0)), int(valid.sum())
+
+    def student_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # --- shared -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def teacher_logits(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        return logits_at(self.target, batch, mask)
+
+    def _teacher(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> Teacher:
+        if self.loss.name == "ce":
+            return Teacher()
+        if self.teacher_source == "stored":
+            if "topk_ids" not in batch:
+                raise ValueError("distill.teacher=stored needs the target's top-k in the generated data: "
+                                 "set generate.topk_logprobs > 0 and rerun the generate stage, or use teacher=live")
+            return Teacher(topk_ids=batch["topk_ids"][mask], topk_logprobs=batch["topk_logprobs"][mask].float())
+        return Teacher(logits=self.teacher_logits(batch, mask))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        mask = batch["loss_mask"]
+        loss, n = self._loss(self.student_logits(batch, mask), self._teacher(batch, mask), batch["labels"][mask])
+        self.log("train/loss", loss, prog_bar=True, batch_size=max(n, 1))
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        mask = batch["loss_mask"]
+        t_logits = self.teacher_logits(batch, mask)
+        s_logits = self.student_logits(batch, mask)
+        loss, n = self._loss(s_logits, Teacher(logits=t_logits), batch["labels"][mask])
+        if n:
+            self.val_loss.update(loss.detach(), weight=n)
+        self.val_acceptance.update(t_logits, self.to_target_vocab(s_logits), mask)
+
+    def on_validation_epoch_end(self) -> None:
+        values = self.val_acceptance.compute()  # synced across ranks (sums)
+        logged = {"val/loss": self.val_loss.compute(), "val/alpha": values["alpha"], "val/alpha_t0": values["alpha_t0"],
+                  "val/tau_sim": values[f"tau_sim{self.tau_k}"], "val/tau_sim_t0": values[f"tau_sim{self.tau_k}_t0"]}
+        self.val_acceptance.reset()
+        self.val_loss.reset()
+        for key, v in values.items():
+            if key.startswith(("alpha_pos", "tau_sim")):
+                logged[f"val/{key}"] = v
+        self.log_dict({k: v.float() for k, v in logged.items()}, sync_dist=False)
+        if not self.trainer.sanity_checking:
+            self.val_history.append({"step": self.global_step, **{k: float(v) for k, v in logged.items()}})
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["val_history"] = self.val_history  # a resumed run continues the curve
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.val_history = list(checkpoint.get("val_history", []))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.student_parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer, num_training_steps=int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

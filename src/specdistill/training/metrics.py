@@ -1,0 +1,79 @@
+"""Acceptance of a draft measured on validation data, from the two distributions (DESIGN.md, Metrics).
+
+At every response position t, with p the target's and q the draft's next-token distribution:
+alpha_t = sum_v min(p, q) (temperature 1; exact expected acceptance of one drafted token) and, at
+temperature 0, a_t = [argmax q == argmax p]. A chain drafted at t is accepted up to position k
+with probability prod_{j<k} a_{t+j} along the target's own continuation (teacher forcing: exact at
+temperature 0 on greedy data, the usual estimate otherwise), so from the sums S_k = sum_t prod_{j<k} a_{t+j}
+alpha_pos{k} = S_k / S_{k-1} and tau_sim(K) = 1 + sum_{k<=K} S_k / S_0.
+
+The states are sums (float64), synced across ranks by torchmetrics before `compute`: a multi-process
+validation gives the numbers of a single process on the same data, whatever each rank holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Metric
+
+
+def token_acceptance(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha = sum min(p, q) at temperature 1, greedy agreement) per position, float32, over the full vocabulary."""
+    p = torch.softmax(teacher_logits.float(), -1)
+    q = torch.softmax(student_logits.float(), -1)
+    alpha = torch.minimum(p, q).sum(-1).clamp(max=1.0)
+    greedy = (teacher_logits.argmax(-1) == student_logits.argmax(-1)).float()
+    return alpha, greedy
+
+
+def chain_sums(a: torch.Tensor, mask: torch.Tensor, max_k: int) -> torch.Tensor:
+    """[max_k + 1]: S_0 = number of start positions, S_k = sum over starts of prod_{j<k} a_{t+j}.
+
+    `a` and `mask` are [B, T]; a chain cannot run past the response (a = 0 off the mask).
+    """
+    a = torch.where(mask, a.double(), torch.zeros((), dtype=torch.float64, device=a.device))
+    sums = [mask.sum().double()]
+    prod = mask.double()
+    for k in range(max_k):
+        shifted = torch.zeros_like(a)
+        shifted[:, : a.shape[1] - k] = a[:, k:]  # a_{t+k}
+        prod = prod * shifted
+        sums.append(prod.sum())
+    return torch.stack(sums)
+
+
+class AcceptanceMetric(Metric):
+    """val/alpha, val/alpha_pos{k}, val/tau_sim{K} at temperature 1, and their temperature-0 twins."""
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self, max_k: int = 8, **kwargs):
+        super().__init__(**kwargs)
+        self.max_k = max_k
+        self.add_state("sums_t1", torch.zeros(max_k + 1, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("sums_t0", torch.zeros(max_k + 1, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("alpha", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("greedy", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, teacher_logits: torch.Tensor, student_logits: torch.Tensor, mask: torch.Tensor) -> None:
+        """Logits [N, V] at the N positions of the loss mask [B, T] (row-major order), the student's
+        already in the target's vocabulary."""
+        alpha, greedy = token_acceptance(teacher_logits, student_logits)
+        self.alpha += alpha.double().sum()
+        self.greedy += greedy.double().sum()
+        full_alpha = torch.zeros(mask.shape, device=alpha.device)
+        full_alpha[mask] = alpha
+        full_greedy = torch.zeros(mask.shape, device=alpha.device)
+        full_greedy[mask] = greedy
+        self.sums_t1 += chain_sums(full_alpha, mask, self.max_k)
+        self.sums_t0 += chain_sums(full_greedy, mask, self.max_k)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        n = self.sums_t1[0].clamp(min=1)
+        out = {"alpha": self.alpha / n, "alpha_t0": self.greedy / n, "tokens": self.sums_t1[0]}
+        for tag, sums in (("", self.sums_t1), ("_t0", self.sums_t0)):
+            for k in range(1, self.max_k + 1):
+                out[f"alpha_pos{k}{tag}"] = sums[k] / sums[k - 1].clamp(min=1e-12)
+                out[f"tau_sim{k}{tag}"] = 1 + sums[1:k + 1].sum() / n
+        return out

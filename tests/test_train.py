@@ -1,0 +1,154 @@
+"""train@draft on a tiny random target: every loss runs, metrics are exact under DDP, a killed run resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from specdistill.stages import train as train_stage
+from specdistill.stages.common import ConfigError
+
+from .conftest import ROOT
+
+LOSSES = ["fkl", "rkl", "jsd", "tvd", "topk_kl", "ce"]
+
+
+def write_split(folder, rows, seed, vocab):
+    g = torch.Generator().manual_seed(seed)
+    ids, plens = [], []
+    for _ in range(rows):
+        p, r = int(torch.randint(3, 9, (1,), generator=g)), int(torch.randint(4, 14, (1,), generator=g))
+        ids.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
+        plens.append(p)
+    datasets.Dataset.from_dict({"id": [str(i) for i in range(rows)], "input_ids": ids, "prompt_len": plens}) \
+        .save_to_disk(str(folder / "shard-00000"))
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, tiny_tokenizer):
+    d = tmp_path_factory.mktemp("generated")
+    write_split(d / "train", 24, 0, len(tiny_tokenizer))
+    write_split(d / "val", 9, 1, len(tiny_tokenizer))  # batch 2: 5 batches, 3 + 2 on 2 ranks (unequal tokens)
+    (d / "FINGERPRINT").write_text("tiny\n")
+    return d
+
+
+def overrides(tmp_path, tiny_target_dir, generated, *extra):
+    return [f"paths.generated_dir={generated}", f"paths.prompts_dir={tmp_path}/prompts",
+            f"paths.models_dir={tmp_path}/models", f"paths.checkpoints_dir={tmp_path}/checkpoints",
+            f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots",
+            "target=hf", f"target.name_or_path={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
+            "logger=none", "draft=xs", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
+            "distill.data.batch_size=2", "distill.scheduler.num_warmup_steps=2", *extra]
+
+
+def composed(*ovr):
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        return OmegaConf.to_container(compose("config", overrides=list(ovr)), resolve=True)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_fast_dev_run_every_loss(tmp_path, tiny_target_dir, generated, loss):
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, f"loss={loss}", "+trainer.fast_dev_run=2"))
+    res = train_stage.run(cfg)
+    assert 0 < res["final"]["val/alpha"] <= 1 and 1 <= res["final"]["val/tau_sim"] <= 5
+    assert (tmp_path / "models/draft/config.json").exists()
+    assert json.loads((tmp_path / "metrics/train_draft.json").read_text())["settings"]["loss"]["name"] == loss
+
+
+def test_a_killed_run_resumes_its_step_count_and_curve(tmp_path, tiny_target_dir, generated, monkeypatch):
+    from specdistill.training.draft import DraftLMModule
+
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=6",
+                              "trainer.max_steps=12", "distill.optimizer.lr=3e-3", "methods.draft.init=random"))
+
+    def crash(self, outputs, batch, batch_idx):
+        if self.global_step == 8:
+            raise RuntimeError("killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(DraftLMModule, "on_train_batch_end", crash, raising=False)
+        with pytest.raises(RuntimeError, match="killed"):
+            train_stage.run(cfg)
+    ckpt = torch.load(tmp_path / "checkpoints/draft/last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 6 and [r["step"] for r in ckpt["val_history"]] == [6]
+    assert not (tmp_path / "models/draft").exists()  # nothing half-written under the final name
+    res = train_stage.run(cfg)
+    assert res["steps"] == 12
+    rows = (tmp_path / "plots/train_draft/val.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["6", "12"]  # the curve continues the killed run's
+    assert float(rows[1].split(",")[1]) == pytest.approx(ckpt["val_history"][0]["val/alpha"])
+    # a changed configuration does not resume a foreign checkpoint
+    other = composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=6",
+                                "trainer.max_steps=6", "methods.draft.init=random"))
+    assert train_stage.run(other)["steps"] == 6
+
+
+def test_distillation_raises_alpha(tmp_path, tiny_target_dir, tiny_tokenizer):
+    """Forward-KL steps through the whole stage pull the draft's distribution to the target's. Validated on
+    the training sequences: two dozen random sequences teach the function, not a held-out generalisation."""
+    write_split(tmp_path / "gen/train", 16, 0, len(tiny_tokenizer))
+    write_split(tmp_path / "gen/val", 16, 0, len(tiny_tokenizer))
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, tmp_path / "gen", "trainer.val_check_interval=10",
+                              "trainer.max_steps=40", "distill.optimizer.lr=3e-3"))
+    res = train_stage.run(cfg)
+    rows = [r.split(",") for r in (tmp_path / "plots/train_draft/val.csv").read_text().splitlines()[1:]]
+    alphas = [float(r[1]) for r in rows]
+    assert alphas[-1] > alphas[0] + 0.05, alphas
+    assert res["final"]["val/alpha"] == pytest.approx(alphas[-1], abs=1e-6)
+
+
+def test_bad_config_fails_before_the_target_loads(tmp_path, tiny_target_dir, generated):
+    with pytest.raises(ConfigError, match="loss"):
+        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=jsd", "loss.params.beta=1.5")))
+    with pytest.raises(ConfigError, match="teacher=stored"):
+        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=tvd", "distill.teacher=stored")))
+    with pytest.raises(ConfigError, match="method="):
+        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "method=medusa3")))
+
+
+def torchrun(tmp_path, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "pipelines/train.py",
+           f"hydra.run.dir={tmp_path}/hydra", "trainer=ddp", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.mark.ddp
+def test_ddp_validation_equals_one_process(tmp_path, tiny_target_dir, tiny_tokenizer, generated):
+    """A fixed draft validated by 2 gloo processes (3 and 2 batches, unequal tokens) gives the 1-process numbers."""
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.models.draft_lm import DraftSize, build_draft, save_draft
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    save_draft(build_draft(target, DraftSize("xs", num_layers=1), "random", seed=3).eval(), tmp_path / "fixed")
+    common = [f"methods.draft.init_from={tmp_path / 'fixed'}", "trainer.max_steps=0"]
+    one = train_stage.run(composed(*overrides(tmp_path / "one", tiny_target_dir, generated, *common)))["final"]
+    torchrun(tmp_path, *overrides(tmp_path / "two", tiny_target_dir, generated, *common))
+    two = json.loads((tmp_path / "two/metrics/train_draft.json").read_text())["final"]
+    keys = ["val/alpha", "val/alpha_t0", "val/tau_sim", "val/tau_sim_t0", "val/alpha_pos3", "val/loss"]
+    for k in keys:
+        assert two[k] == pytest.approx(one[k], abs=1e-4), k
+    assert two["val/alpha"] != pytest.approx(0.5, abs=1e-3)  # a real measurement, not a default
+
+
+@pytest.mark.ddp
+def test_ddp_training_writes_one_checkpoint_and_one_wandb_run(tmp_path, tiny_target_dir, generated):
+    torchrun(tmp_path, *overrides(tmp_path, tiny_target_dir, generated, "trainer.max_steps=4",
+                                  "trainer.val_check_interval=2", "logger=wandb", f"paths.wandb_dir={tmp_path}"))
+    res = json.loads((tmp_path / "metrics/train_draft.json").read_text())
+    assert res["steps"] == 4 and res["settings"]["trainer"]["strategy"] == "ddp"
+    assert (tmp_path / "models/draft/model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints/draft").glob("*.ckpt")) == ["last.ckpt", "step4.ckpt"]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
