@@ -186,7 +186,7 @@ def test_dataset_source_tokenises_prompt_and_reference(tmp_path, tiny_tokenizer)
     for split in ("train", "val"):
         datasets.Dataset.from_dict({"id": ["a", "b"], "prompt": prompts, "reference": refs}).save_to_disk(
             str(tmp_path / "prompts" / split))
-    cfg = DataConfig(source="dataset", batch_size=2, max_response_tokens=12)
+    cfg = DataConfig(source="dataset", val_source="dataset", batch_size=2, max_response_tokens=12)
     dm = DistillDataModule(cfg, tmp_path / "missing", tmp_path / "prompts", tokenizer=tiny_tokenizer,
                            pad_id=tiny_tokenizer.pad_token_id)
     (batch,) = list(dm.val_dataloader())

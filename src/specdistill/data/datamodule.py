@@ -66,13 +66,17 @@ class DataConfig:
     num_workers: int = 0
     seed: int = 0
     max_response_tokens: int = 256  # source=dataset: cap on the tokenised reference (like generate.max_new_tokens)
+    # validation data: on-policy by default whatever `source` trains on, so runs that differ in their
+    # training data are measured on the same tokens (the target's own answers, what the decoder will see)
+    val_source: str = "target"
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if self.source not in SOURCES:
-            raise DataError(f"data.source={self.source!r}: use one of {SOURCES}")
+        for key in ("source", "val_source"):
+            if getattr(self, key) not in SOURCES:
+                raise DataError(f"data.{key}={getattr(self, key)!r}: use one of {SOURCES}")
         if self.batch_size < 1 or self.bucket_size < 1 or self.max_response_tokens < 1 or self.num_workers < 0:
             raise DataError("data.batch_size, bucket_size and max_response_tokens must be >= 1, num_workers >= 0")
         if self.max_length < 2:
@@ -204,7 +208,7 @@ class DistillDataModule(pl.LightningDataModule):
                  pad_id: int = 0, world_size: int | None = None, rank: int | None = None) -> None:
         super().__init__()
         cfg.validate()
-        if cfg.source == "dataset" and tokenizer is None:
+        if "dataset" in (cfg.source, cfg.val_source) and tokenizer is None:
             raise DataError("data.source=dataset tokenises the references: pass the target's tokenizer")
         self.cfg, self.tokenizer, self.pad_id = cfg, tokenizer, pad_id
         self.generated_dir, self.prompts_dir = Path(generated_dir), Path(prompts_dir)
@@ -247,7 +251,8 @@ class DistillDataModule(pl.LightningDataModule):
     def _build(self, split: str) -> SequenceBatches:
         import pyarrow.compute as pc
 
-        ds = self._load_generated(split) if self.cfg.source == "target" else self._load_references(split)
+        source = self.cfg.val_source if split == "val" else self.cfg.source
+        ds = self._load_generated(split) if source == "target" else self._load_references(split)
         length = pc.list_value_length(ds.data.column("input_ids")).to_numpy().astype(np.int64)
         prompt_len = ds.data.column("prompt_len").to_numpy().astype(np.int64)
         bad = np.flatnonzero((prompt_len < 1) | (prompt_len > length))
@@ -260,7 +265,7 @@ class DistillDataModule(pl.LightningDataModule):
             log.warning("%s: dropping %d row(s) with an empty response", split, len(ds) - len(keep))
             ds, length, prompt_len = ds.select(keep), length[keep], prompt_len[keep]
         if len(ds) == 0:
-            raise DataError(f"the {split} split of data.source={self.cfg.source} is empty")
+            raise DataError(f"the {split} split of data source {source} is empty")
         pk, rk = truncated_lengths(prompt_len, length, self.cfg.max_length)
         return SequenceBatches(ds, pk, rk, self.pad_id)
 

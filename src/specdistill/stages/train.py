@@ -67,6 +67,7 @@ class DistillConfig:
     scheduler: dict[str, Any] | None = None
     tau_k: int = 4
     max_k: int = 8
+    output: str | None = None  # outputs' name: models/<output>, metrics/train_<output>.json; default the method
 
 
 @dataclass
@@ -93,9 +94,10 @@ def _hydra_job_dir() -> Path | None:
     return None
 
 
-def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str) -> Plan:
+def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str, output: str | None = None) -> Plan:
     paths = cfg["paths"]
     name = f"{method}-{draft}-{loss}"
+    method = output or method
     job = _hydra_job_dir()
     if job is not None:
         return Plan(job / "model", job / "checkpoints", Path(paths.get("metrics_dir", "metrics")) / "sweep" / f"{name}.json",
@@ -181,7 +183,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     optimizer = hydra.utils.instantiate(dist.optimizer)
     scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
     trainer_kwargs = dict(cfg["trainer"])
-    plan = plan_outputs(cfg, name, size.name, lcfg.name)
+    plan = plan_outputs(cfg, name, size.name, lcfg.name, dist.output)
     generated = Path(cfg["paths"]["generated_dir"])
 
     target = load_target(tcfg)
