@@ -39,3 +39,30 @@ def test_report_without_metrics_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="run the evaluate stages first"):
         report.run({"paths": {}, "logger": {"enabled": False}})
+
+
+def train_metrics(loss: str, source: str, alpha: float, layers: int = 1) -> dict:
+    return {"method": "draft", "steps": 160, "final": {"val/alpha": alpha, "val/alpha_t0": alpha - 0.1,
+                                                       "val/tau_sim": 1 + alpha, "val/tau_sim_t0": 1.5},
+            "settings": {"draft": {"name": "xs", "num_layers": layers}, "method": {"init": "from_target"},
+                         "draft_vocab": 8192, "loss": {"name": loss}, "distill": {"data": {"source": source}},
+                         "train_tokens": 57028, "draft_parameters": 35_400_000}}
+
+
+def test_report_has_the_distillation_tables_and_curves(tmp_path, monkeypatch):
+    (tmp_path / "metrics/sweep").mkdir(parents=True)
+    (tmp_path / "metrics/draft.json").write_text(json.dumps(metrics("draft", [0.8, 0.5], 2.1)))
+    (tmp_path / "metrics/train_draft.json").write_text(json.dumps(train_metrics("fkl", "target", 0.612)))
+    (tmp_path / "metrics/train_draft_ce.json").write_text(json.dumps(train_metrics("ce", "dataset", 0.431)))
+    (tmp_path / "metrics/sweep/draft-s-tvd.json").write_text(json.dumps(train_metrics("tvd", "target", 0.655, 2)))
+    (tmp_path / "plots/train_draft").mkdir(parents=True)
+    (tmp_path / "plots/train_draft/val.csv").write_text("step,alpha,alpha_t0,tau_sim,tau_sim_t0\n40,0.3,0.2,1.4,1.2\n"
+                                                        "80,0.5,0.4,1.8,1.5\n")
+    monkeypatch.chdir(tmp_path)
+    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
+    text = (tmp_path / "reports/README.md").read_text()
+    assert "| draft | xs (1 layer) | from_target | 8192 | fkl | target | 160 | 57,028 | 0.612 |" in text
+    assert "| draft_ce | xs (1 layer) | from_target | 8192 | ce | dataset |" in text
+    assert "### Sweep" in text and "| draft-s-tvd | xs (2 layers) |" in text
+    assert (tmp_path / "reports/alpha_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "train_draft" not in [k for k in report.load_metrics(tmp_path / "metrics")]

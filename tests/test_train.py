@@ -47,7 +47,7 @@ def overrides(tmp_path, tiny_target_dir, generated, *extra):
             f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots",
             "target=hf", f"target.name_or_path={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
             "logger=none", "draft=xs", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
-            "distill.data.batch_size=2", "distill.scheduler.num_warmup_steps=2", *extra]
+            "distill.data.batch_size=2", "distill.scheduler.num_warmup_steps=2", "methods.draft.vocab_size=128", *extra]
 
 
 def composed(*ovr):
@@ -56,12 +56,22 @@ def composed(*ovr):
 
 
 @pytest.mark.parametrize("loss", LOSSES)
-def test_fast_dev_run_every_loss(tmp_path, tiny_target_dir, generated, loss):
-    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, f"loss={loss}", "+trainer.fast_dev_run=2"))
+@pytest.mark.parametrize("vocab", ["128", "null"])
+def test_fast_dev_run_every_loss(tmp_path, tiny_target_dir, generated, loss, vocab):
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, f"loss={loss}", "+trainer.fast_dev_run=2",
+                              f"methods.draft.vocab_size={vocab}"))
     res = train_stage.run(cfg)
+    assert res["settings"]["draft_vocab"] == (128 if vocab == "128" else None)
     assert 0 < res["final"]["val/alpha"] <= 1 and 1 <= res["final"]["val/tau_sim"] <= 5
     assert (tmp_path / "models/draft/config.json").exists()
     assert json.loads((tmp_path / "metrics/train_draft.json").read_text())["settings"]["loss"]["name"] == loss
+
+
+@pytest.mark.parametrize("source", ["draft", "mix"])
+def test_on_policy_sources_train(tmp_path, tiny_target_dir, generated, source):
+    res = train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, f"distill.data.source={source}",
+                                              "distill.data.max_response_tokens=6", "+trainer.fast_dev_run=2")))
+    assert res["settings"]["distill"]["data"]["source"] == source and 0 < res["final"]["val/alpha"] <= 1
 
 
 def test_a_killed_run_resumes_its_step_count_and_curve(tmp_path, tiny_target_dir, generated, monkeypatch):
@@ -98,7 +108,7 @@ def test_distillation_raises_alpha(tmp_path, tiny_target_dir, tiny_tokenizer):
     write_split(tmp_path / "gen/train", 16, 0, len(tiny_tokenizer))
     write_split(tmp_path / "gen/val", 16, 0, len(tiny_tokenizer))
     cfg = composed(*overrides(tmp_path, tiny_target_dir, tmp_path / "gen", "trainer.val_check_interval=10",
-                              "trainer.max_steps=40", "distill.optimizer.lr=3e-3"))
+                              "trainer.max_steps=40", "distill.optimizer.lr=3e-3", "methods.draft.vocab_size=null"))
     res = train_stage.run(cfg)
     rows = [r.split(",") for r in (tmp_path / "plots/train_draft/val.csv").read_text().splitlines()[1:]]
     alphas = [float(r[1]) for r in rows]

@@ -49,7 +49,9 @@ from specdistill.data.generation import dataset_responses
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("target", "dataset")
+# draft / mix read the target's shards for their prompts; the module replaces responses with the
+# draft's own samples (all of them, or a fraction mix_lambda of the batches): training/onpolicy.py
+SOURCES = ("target", "dataset", "draft", "mix")
 TOPK_COLUMNS = ("topk_ids", "topk_logprobs")
 
 
@@ -69,14 +71,17 @@ class DataConfig:
     # validation data: on-policy by default whatever `source` trains on, so runs that differ in their
     # training data are measured on the same tokens (the target's own answers, what the decoder will see)
     val_source: str = "target"
+    mix_lambda: float = 0.5  # source=mix: the fraction of batches whose answers the draft samples itself
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        for key in ("source", "val_source"):
-            if getattr(self, key) not in SOURCES:
-                raise DataError(f"data.{key}={getattr(self, key)!r}: use one of {SOURCES}")
+        for key, allowed in (("source", SOURCES), ("val_source", ("target", "dataset"))):
+            if getattr(self, key) not in allowed:
+                raise DataError(f"data.{key}={getattr(self, key)!r}: use one of {allowed}")
+        if not 0 <= self.mix_lambda <= 1:
+            raise DataError(f"data.mix_lambda={self.mix_lambda} must be in [0, 1]")
         if self.batch_size < 1 or self.bucket_size < 1 or self.max_response_tokens < 1 or self.num_workers < 0:
             raise DataError("data.batch_size, bucket_size and max_response_tokens must be >= 1, num_workers >= 0")
         if self.max_length < 2:
@@ -252,7 +257,7 @@ class DistillDataModule(pl.LightningDataModule):
         import pyarrow.compute as pc
 
         source = self.cfg.val_source if split == "val" else self.cfg.source
-        ds = self._load_generated(split) if source == "target" else self._load_references(split)
+        ds = self._load_references(split) if source == "dataset" else self._load_generated(split)
         length = pc.list_value_length(ds.data.column("input_ids")).to_numpy().astype(np.int64)
         prompt_len = ds.data.column("prompt_len").to_numpy().astype(np.int64)
         bad = np.flatnonzero((prompt_len < 1) | (prompt_len > length))

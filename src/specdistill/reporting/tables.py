@@ -21,7 +21,26 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
     s = metrics["settings"]
     if metrics["method"] == "lookup":
         return "prompt lookup", "–"
-    return str(s.get("draft") or "draft"), str(s.get("loss") or "untrained")
+    trained = s.get("draft_training")
+    if trained:
+        vocab = s.get("draft_vocab")
+        return f"{trained['draft_size']} ({vocab} tokens)", f"{trained['loss']} on {trained['data']}"
+    return str(s.get("draft") or "draft"), "untrained"
+
+
+def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
+    """Seconds in the draft and in target verification per speculative run: where a draft's cost shows."""
+    lines = ["| evaluated | setting | draft parameters | draft s | verify s | draft share | tau | speed-up vs AR |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, dataset, temp, m in settings(all_metrics):
+        s = m.get("spec", {})
+        if "draft_s" not in s:
+            continue
+        total = s["draft_s"] + s["verify_s"]
+        params = all_metrics[name]["settings"].get("draft_parameters")
+        lines.append(f"| {name} | {dataset}/{temp} | {f'{params / 1e6:.1f}M' if params else '–'} | {s['draft_s']:.2f} | "
+                     f"{s['verify_s']:.2f} | {s['draft_s'] / total:.0%} | {_fmt(s.get('tau'))} | {_fmt(s.get('speedup'))}x |")
+    return lines
 
 
 def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: str) -> list[str]:

@@ -9,20 +9,45 @@ from typing import Any
 
 from specdistill.io import atomic_path
 from specdistill.reporting import figures, settings
-from specdistill.reporting.tables import formula_check, results_table, tv_check
+from specdistill.reporting.tables import formula_check, results_table, time_split, tv_check
+from specdistill.reporting.training import (
+    alpha_curves,
+    load_curves,
+    load_training,
+    sweep_table,
+    training_table,
+)
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
 
 def load_metrics(folder: Path) -> dict[str, dict[str, Any]]:
-    files = sorted(folder.glob("*.json"))
+    """The evaluate stages' metrics (train_*.json are the distillation runs', read by reporting.training)."""
+    files = [f for f in sorted(folder.glob("*.json")) if not f.stem.startswith("train_")]
     if not files:
         raise FileNotFoundError(f"no metrics in {folder}: run the evaluate stages first (`dvc repro`)")
     return {f.stem: json.loads(f.read_text()) for f in files}
 
 
-def render(all_metrics: dict[str, dict[str, Any]], experiment: str) -> str:
+def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[str, Any]) -> list[str]:
+    if not runs and not sweep:
+        return []
+    lines = ["## Distillation: validation acceptance of the trained drafts", "",
+             "Measured by the train stages on the validation split's on-policy answers (the same tokens for every",
+             "run): alpha = mean over response tokens of sum min(p, q) over the full vocabulary (a reduced draft",
+             "vocabulary counts the mass it cannot propose as lost); at T=0, whether the argmaxes agree; tau_sim",
+             "chains the position-wise acceptance along the target's continuation for a K = 4 chain.", "",
+             *training_table(runs), ""]
+    if curves:
+        lines += ["![acceptance curves](alpha_curves.png)", ""]
+    if sweep:
+        lines += ["### Sweep: draft size x loss (`python pipelines/train.py -m draft=... loss=...`)", "",
+                  *sweep_table(sweep), ""]
+    return lines
+
+
+def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     lines = [f"# Results: experiment `{experiment}`", "",
@@ -38,6 +63,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str) -> str:
     for dataset in datasets:
         for temp in temps:
             lines += [f"## {dataset}, temperature {temp[1:]}", "", *results_table(all_metrics, dataset, temp), ""]
+    lines += ["## Where the time goes", "", *time_split(all_metrics), ""]
+    lines += training or []
     lines += ["## The background text's eq. 2 against measurement", "",
               "Expected tokens per target forward from measured acceptance: with the measured alpha_k chained, with",
               "alpha_pos1 alone (the truncated geometric sum), and its K → ∞ limit 1/(1-alpha), beside measured tau.",
@@ -57,10 +84,14 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str) -> str:
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     metrics_dir, out = Path(cfg["paths"].get("metrics_dir", "metrics")), Path(cfg["paths"].get("reports_dir", "reports"))
     all_metrics = load_metrics(metrics_dir)
+    runs, sweep = load_training(metrics_dir)
+    curves = load_curves(Path(cfg["paths"].get("plots_dir", "plots")), list(runs))
     experiment = cfg.get("experiment_name", "default")
     with wandb_run(cfg.get("logger"), job_type="report", group=experiment, config=cfg) as run_:
         with atomic_path(out, is_dir=True) as tmp:
-            (tmp / "README.md").write_text(render(all_metrics, experiment))
+            (tmp / "README.md").write_text(render(all_metrics, experiment, render_training(runs, sweep, curves)))
+            if curves:
+                alpha_curves(curves, tmp / "alpha_curves.png")
             figures.acceptance_by_position(all_metrics, tmp / "acceptance_by_position.png")
             figures.speedup_bars(all_metrics, tmp / "speedup.png")
             figures.tau_vs_k(all_metrics, tmp / "tau_vs_k.png")

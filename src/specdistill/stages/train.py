@@ -49,6 +49,7 @@ class MethodConfig:
     name: str = "draft"
     init: str = "from_target"
     vocab_size: int | None = None
+    freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
     init_from: str | None = None  # a saved draft folder to start from instead (continue, or validate with max_steps=0)
 
 
@@ -177,6 +178,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         loss = build_loss(lcfg.name, lcfg.temperature, **lcfg.params)
     except LossError as e:
         raise ConfigError(f"loss: {e}") from e
+    if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
+        raise ConfigError(f"distill.data.source={dcfg.source} trains on the draft's own samples, which have no stored "
+                          "top-k: use distill.teacher=live")
     if dist.teacher == "stored" and loss.needs_full_teacher:
         raise ConfigError(f"loss={lcfg.name} needs the target's full distribution; distill.teacher=stored keeps only "
                           "its top-k: use distill.teacher=live or loss=fkl/topk_kl")
@@ -200,10 +204,19 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
                                    always=sorted(stop_ids(target.model, target.tokenizer)))
         draft = build_draft(target.model, size, mcfg.init, d2t, seed=int(cfg.get("seed", 0)))
+    from_target = mcfg.init == "from_target" or mcfg.init_from
+    if mcfg.freeze_embeddings and from_target and not draft.config.tie_word_embeddings:
+        # 28M input weights on SmolLM2 that the target already trained: less optimizer state, faster steps
+        draft.get_input_embeddings().requires_grad_(False)
 
-    from specdistill.training.draft import DraftLMModule
+    from specdistill.training.draft import DraftLMModule, OnPolicy
 
-    module = DraftLMModule(target.model, draft, loss=loss, optimizer=optimizer, scheduler=scheduler,
+    onpolicy = None
+    if dcfg.source in ("draft", "mix"):
+        onpolicy = OnPolicy(fraction=1.0 if dcfg.source == "draft" else dcfg.mix_lambda,
+                            max_new_tokens=dcfg.max_response_tokens, stops=stop_ids(target.model, target.tokenizer),
+                            pad_id=target.tokenizer.pad_token_id or 0, seed=int(cfg.get("seed", 0)))
+    module = DraftLMModule(target.model, draft, onpolicy=onpolicy, loss=loss, optimizer=optimizer, scheduler=scheduler,
                            teacher=dist.teacher, tau_k=dist.tau_k, max_k=dist.max_k)
     data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
     stamp = fingerprint({"method": asdict(mcfg), "draft": asdict(size), "loss": asdict(lcfg), "distill": cfg["distill"],
@@ -215,7 +228,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     group = cfg.get("experiment_name", "default")
     logger = _wandb_logger(cfg.get("logger"), run_id, plan.run_name, group, cfg)
     # after every validation pass, so a checkpoint holds the acceptance curve up to its step
-    checkpoint = ModelCheckpoint(dirpath=plan.ckpt_dir, filename="step{step}", save_last=True, save_top_k=1,
+    checkpoint = ModelCheckpoint(dirpath=plan.ckpt_dir, filename="step{step}", save_last="link", save_top_k=1,
                                  save_on_train_epoch_end=False, auto_insert_metric_name=False)
     try:
         trainer = pl.Trainer(**trainer_kwargs, logger=logger, use_distributed_sampler=False,

@@ -84,6 +84,10 @@ class DistillModule(pl.LightningModule):
             valid = torch.ones_like(targets, dtype=torch.bool)
         return self.loss(student, teacher, mask=valid, targets=targets.clamp(min=0)), int(valid.sum())
 
+    def on_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch to train on: a method that samples its own continuations (DistillSpec) swaps them in."""
+        return batch
+
     def student_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
@@ -103,6 +107,7 @@ class DistillModule(pl.LightningModule):
         return Teacher(logits=self.teacher_logits(batch, mask))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        batch = self.on_policy(batch)
         mask = batch["loss_mask"]
         loss, n = self._loss(self.student_logits(batch, mask), self._teacher(batch, mask), batch["labels"][mask])
         self.log("train/loss", loss, prog_bar=True, batch_size=max(n, 1))

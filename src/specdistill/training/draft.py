@@ -8,18 +8,32 @@ propose as lost, exactly as the decoder will.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specdistill.training.base import DistillModule, logits_at
 from specdistill.training.losses import Teacher
+from specdistill.training.onpolicy import continue_prompts
+
+
+@dataclass
+class OnPolicy:
+    """DistillSpec data: with probability `fraction` per step the draft samples the batch's answers."""
+
+    fraction: float
+    max_new_tokens: int
+    stops: set[int]
+    pad_id: int
+    seed: int = 0
 
 
 class DraftLMModule(DistillModule):
-    def __init__(self, target_model: Any, draft: Any, **kwargs: Any):
+    def __init__(self, target_model: Any, draft: Any, onpolicy: OnPolicy | None = None, **kwargs: Any):
         super().__init__(target_model, **kwargs)
         self.draft = draft
+        self.onpolicy = onpolicy
         d2t = getattr(draft, "d2t", None)
         vocab = target_model.get_output_embeddings().weight.shape[0]
         self.register_buffer("d2t", None if d2t is None else d2t.long())
@@ -27,6 +41,17 @@ class DraftLMModule(DistillModule):
             t2d = torch.full((vocab,), -1, dtype=torch.long)
             t2d[d2t] = torch.arange(len(d2t))
             self.register_buffer("t2d", t2d, persistent=False)
+
+    def on_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        cfg = self.onpolicy
+        if cfg is None or cfg.fraction <= 0:
+            return batch
+        # one draw per (seed, rank, step): a resumed run makes the same choices and samples
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.global_rank * 7_919 + self.global_step)
+        if float(torch.rand((), generator=g)) >= cfg.fraction:
+            return batch
+        return continue_prompts(self.draft, batch, cfg.max_new_tokens, cfg.stops, cfg.pad_id, self.d2t,
+                                g if batch["input_ids"].device.type == "cpu" else None)
 
     def student_logits(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         return logits_at(self.draft, batch, mask)
