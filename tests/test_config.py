@@ -36,6 +36,19 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     data = dict(cfg["data"])
     section(PrepareConfig, data, "data", source=section(SourceConfig, data.pop("source"), "data.source"))
     assert set(cfg["assets"]["items"]) == {"target", "sharegpt", "mtbench", "humaneval"}
+    # the training sections too: a bad one must fail at start, not after the target has loaded
+    from specdistill.data.datamodule import DataConfig
+    from specdistill.models.draft_lm import DraftSize
+    from specdistill.stages.train import DistillConfig, LossConfig, MethodConfig
+    from specdistill.training.losses import build_loss
+
+    for name, method in cfg["methods"].items():
+        section(MethodConfig, method, f"methods.{name}")
+    section(DraftSize, cfg["draft"], "draft")
+    loss = section(LossConfig, cfg["loss"], "loss")
+    build_loss(loss.name, loss.temperature, **loss.params)
+    section(DataConfig, section(DistillConfig, cfg["distill"], "distill").data, "distill.data")
+    assert cfg["trainer"]["max_steps"] > 0 and cfg["method"] in cfg["methods"]
 
 
 def test_required_experiments_exist():

@@ -32,6 +32,7 @@ METHODS = ("draft", "lookup")
 @dataclass
 class EvalConfig:
     method: str = "draft"  # draft: a separate draft LM | lookup: prompt lookup alone
+    name: str | None = None  # outputs' name: metrics/<name>.json, plots/<name>/; default the method
     datasets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval"])
     num_prompts: int = 5  # per dataset; MT-bench prompts run both turns
     max_new_tokens: int = 96
@@ -115,10 +116,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     settings = {"method": ecfg.method, **asdict(ecfg), **draft_info, "chain_or_tree": "tree" if ecfg.tree else "chain",
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
-    with wandb_run(cfg.get("logger"), job_type=f"evaluate-{ecfg.method}", group=group, config=cfg) as wb:
+    name = ecfg.name or ecfg.method
+    with wandb_run(cfg.get("logger"), job_type=f"evaluate-{name}", group=group, config=cfg) as wb:
         res = run_benchmark(methods, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
         metrics = summarise(res, ecfg.method, settings)
-        write_outputs(metrics, res, ecfg.method, Path("metrics"), Path("plots"))
+        write_outputs(metrics, res, name, Path("metrics"), Path("plots"))
         log_wandb(wb, metrics)
     for ds_name, temps in metrics["results"].items():
         for temp, m in temps.items():
