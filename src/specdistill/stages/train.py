@@ -175,7 +175,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     dcfg = section(DataConfig, dict(dist.data), "distill.data")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     try:
-        loss = build_loss(lcfg.name, lcfg.temperature, **lcfg.params)
+        loss = build_loss(lcfg.name, lcfg.temperature, **(lcfg.params or {}))  # null: none (e.g. ce after jsd)
     except LossError as e:
         raise ConfigError(f"loss: {e}") from e
     if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
