@@ -67,6 +67,17 @@ def save_dataset(ds: Any, final: str | Path, extra_json: dict[str, Any] | None =
             (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def config_hash(obj: Any) -> str:
+    """A short stable hash of a JSON-able config: what decides an output's content."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def has_stamp(folder: str | Path, stamp: str) -> bool:
+    """Whether `folder` was written under this config hash (its FINGERPRINT file): resume or start afresh."""
+    marker = Path(folder) / "FINGERPRINT"
+    return marker.exists() and marker.read_text().strip() == stamp
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")

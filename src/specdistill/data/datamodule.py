@@ -159,6 +159,13 @@ class BatchPlanSampler(Sampler[list[int]]):
         return -(-n // self.world_size)
 
 
+def next_token_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """labels[b, t] = input_ids[b, t + 1] where position t is scored, else -100."""
+    labels = torch.full_like(input_ids, -100)
+    labels[:, :-1] = torch.where(loss_mask[:, :-1], input_ids[:, 1:], -100)
+    return labels
+
+
 class SequenceBatches(Dataset):
     """Item = a list of row indices -> the collated batch (DataLoader(batch_size=None) with BatchPlanSampler)."""
 
@@ -196,9 +203,8 @@ class SequenceBatches(Dataset):
                     raise DataError(f"row {data['id'][i]!r}: {len(ids)} top-k rows for {r} response tokens")
                 topk_ids[i, p - 1:p + r - 1] = torch.tensor(ids[:r], dtype=torch.long)
                 topk_lp[i, p - 1:p + r - 1] = torch.tensor(lp[:r], dtype=torch.float32)
-        labels = torch.full((b, t), -100, dtype=torch.long)
-        labels[:, :-1] = torch.where(loss_mask[:, :-1], input_ids[:, 1:], -100)
-        batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask, "labels": labels,
+        batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
+                 "labels": next_token_labels(input_ids, loss_mask),
                  "prompt_len": torch.as_tensor(pk, dtype=torch.long),
                  "length": torch.as_tensor(lengths, dtype=torch.long)}
         if self.has_topk:

@@ -13,7 +13,6 @@ Output contract (DESIGN.md): `<out>/<split>/shard-NNNNN/` as `datasets` Arrow wi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specdistill.io import remove_stale_temporaries, save_dataset
+from specdistill.io import config_hash, has_stamp, remove_stale_temporaries, save_dataset
 from specdistill.models.kv_cache import PreallocatedCache
 from specdistill.sampling import sample_logits
 
@@ -62,8 +61,7 @@ class GenerateConfig:
     def fingerprint(self, extra: dict[str, Any]) -> str:
         """What decides a shard's content; a shard written under another fingerprint is stale."""
         keep = {k: v for k, v in asdict(self).items() if k not in ("splits",)}
-        blob = json.dumps({**keep, **extra}, sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return config_hash({**keep, **extra})
 
 
 @dataclass
@@ -229,13 +227,12 @@ def shard_name(i: int) -> str:
 
 def prepare_output(out_dir: Path, fingerprint: str) -> None:
     """Keep shards written under the same fingerprint (resume); wipe them if the config changed."""
-    stamp = out_dir / "FINGERPRINT"
-    if out_dir.exists() and (not stamp.exists() or stamp.read_text().strip() != fingerprint):
+    if out_dir.exists() and not has_stamp(out_dir, fingerprint):
         if any(out_dir.iterdir()):
             log.warning("%s holds shards of another configuration: regenerating from scratch", out_dir)
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(fingerprint + "\n")
+    (out_dir / "FINGERPRINT").write_text(fingerprint + "\n")
     for split_dir in [p for p in out_dir.iterdir() if p.is_dir()]:
         removed = remove_stale_temporaries(split_dir)
         if removed:

@@ -12,8 +12,6 @@ stage reads the sweep table from.
 from __future__ import annotations
 
 import csv
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -25,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 
 from specdistill.data.datamodule import DataConfig, DistillDataModule
 from specdistill.data.generation import stop_ids
-from specdistill.io import atomic_path, write_json
+from specdistill.io import atomic_path, config_hash, has_stamp, write_json
 from specdistill.models.draft_lm import (
     INITS,
     DraftSize,
@@ -84,14 +82,11 @@ class Plan:
 
 def _hydra_job_dir() -> Path | None:
     """The job's own folder in a Hydra multirun; None in a single run (DVC stages, hand runs)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            return Path(HydraConfig.get().runtime.output_dir)
-    except ImportError:  # pragma: no cover
-        pass
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(HydraConfig.get().runtime.output_dir)
     return None
 
 
@@ -108,18 +103,13 @@ def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str, output
                 Path(paths.get("plots_dir", "plots")) / f"train_{method}", name)
 
 
-def fingerprint(parts: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def resume_point(ckpt_dir: Path, stamp: str) -> tuple[str | None, str | None]:
     """(`last.ckpt`, W&B run id) of an interrupted run of the same configuration, else (None, None).
 
     Read-only: every rank decides from the same files before any rank changes them; rank zero
     clears a foreign folder later (`CheckpointDir`), once all processes have started.
     """
-    marker = ckpt_dir / "FINGERPRINT"
-    if not marker.exists() or marker.read_text().strip() != stamp:
+    if not has_stamp(ckpt_dir, stamp):
         return None, None
     last, run_id = ckpt_dir / "last.ckpt", ckpt_dir / "wandb_id"
     return (str(last) if last.exists() else None), (run_id.read_text().strip() if run_id.exists() else None)
@@ -133,12 +123,11 @@ class CheckpointDir(Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if trainer.is_global_zero:
-            marker = self.ckpt_dir / "FINGERPRINT"
-            if self.ckpt_dir.exists() and (not marker.exists() or marker.read_text().strip() != self.stamp):
+            if self.ckpt_dir.exists() and not has_stamp(self.ckpt_dir, self.stamp):
                 log.warning("%s holds checkpoints of another configuration: starting afresh", self.ckpt_dir)
                 shutil.rmtree(self.ckpt_dir)
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            marker.write_text(self.stamp + "\n")
+            (self.ckpt_dir / "FINGERPRINT").write_text(self.stamp + "\n")
             (self.ckpt_dir / "wandb_id").write_text(self.run_id + "\n")
         trainer.strategy.barrier("checkpoint-dir")
 
@@ -191,8 +180,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     generated = Path(cfg["paths"]["generated_dir"])
 
     target = load_target(tcfg)
+    stops, pad_id = stop_ids(target.model, target.tokenizer), target.tokenizer.pad_token_id or 0
     datamodule = DistillDataModule(dcfg, generated, cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer,
-                                   pad_id=target.tokenizer.pad_token_id or 0)
+                                   pad_id=pad_id)
     datamodule.setup("fit")
     if mcfg.init_from:
         draft = load_draft(mcfg.init_from).float().train().requires_grad_(True)
@@ -202,11 +192,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         d2t = None
         if mcfg.vocab_size:
             d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
-                                   always=sorted(stop_ids(target.model, target.tokenizer)))
+                                   always=sorted(stops))
         draft = build_draft(target.model, size, mcfg.init, d2t, seed=int(cfg.get("seed", 0)))
     from_target = mcfg.init == "from_target" or mcfg.init_from
     if mcfg.freeze_embeddings and from_target and not draft.config.tie_word_embeddings:
-        # 28M input weights on SmolLM2 that the target already trained: less optimizer state, faster steps
+        # 28M input weights on SmolLM2 that the target already trained: no optimizer state for them
         draft.get_input_embeddings().requires_grad_(False)
 
     from specdistill.training.draft import DraftLMModule, OnPolicy
@@ -214,12 +204,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     onpolicy = None
     if dcfg.source in ("draft", "mix"):
         onpolicy = OnPolicy(fraction=1.0 if dcfg.source == "draft" else dcfg.mix_lambda,
-                            max_new_tokens=dcfg.max_response_tokens, stops=stop_ids(target.model, target.tokenizer),
-                            pad_id=target.tokenizer.pad_token_id or 0, seed=int(cfg.get("seed", 0)))
+                            max_new_tokens=dcfg.max_response_tokens, stops=stops, pad_id=pad_id,
+                            seed=int(cfg.get("seed", 0)))
     module = DraftLMModule(target.model, draft, onpolicy=onpolicy, loss=loss, optimizer=optimizer, scheduler=scheduler,
                            teacher=dist.teacher, tau_k=dist.tau_k, max_k=dist.max_k)
     data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
-    stamp = fingerprint({"method": asdict(mcfg), "draft": asdict(size), "loss": asdict(lcfg), "distill": cfg["distill"],
+    stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size), "loss": asdict(lcfg), "distill": cfg["distill"],
                          "trainer": trainer_kwargs, "target": target.fingerprint, "data": data_stamp, "seed": cfg.get("seed")})
     ckpt_path, run_id = resume_point(plan.ckpt_dir, stamp)
     if ckpt_path:

@@ -25,11 +25,11 @@ from specdistill.training.metrics import AcceptanceMetric
 TEACHERS = ("live", "stored")
 
 
-def logits_at(model: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor, head: Any = None) -> torch.Tensor:
+def logits_at(model: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     """[N, V] logits of a causal LM at the N True positions of `mask` only: the full [B, T, V]
     tensor of a 49k vocabulary is most of a step's memory and none of its signal."""
     hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return (head or model.get_output_embeddings())(hidden[mask]).float()
+    return model.get_output_embeddings()(hidden[mask]).float()
 
 
 class DistillModule(pl.LightningModule):

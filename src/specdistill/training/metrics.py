@@ -62,12 +62,10 @@ class AcceptanceMetric(Metric):
         alpha, greedy = token_acceptance(teacher_logits, student_logits)
         self.alpha += alpha.double().sum()
         self.greedy += greedy.double().sum()
-        full_alpha = torch.zeros(mask.shape, device=alpha.device)
-        full_alpha[mask] = alpha
-        full_greedy = torch.zeros(mask.shape, device=alpha.device)
-        full_greedy[mask] = greedy
-        self.sums_t1 += chain_sums(full_alpha, mask, self.max_k)
-        self.sums_t0 += chain_sums(full_greedy, mask, self.max_k)
+        for sums, per_token in ((self.sums_t1, alpha), (self.sums_t0, greedy)):
+            on_grid = torch.zeros(mask.shape, device=per_token.device)  # back to [B, T] for the chains
+            on_grid[mask] = per_token
+            sums += chain_sums(on_grid, mask, self.max_k)
 
     def compute(self) -> dict[str, torch.Tensor]:
         n = self.sums_t1[0].clamp(min=1)

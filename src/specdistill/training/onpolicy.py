@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from specdistill.data.datamodule import next_token_labels
+
 
 @torch.no_grad()
 def continue_prompts(draft: Any, batch: dict[str, torch.Tensor], max_new_tokens: int, stops: set[int],
@@ -69,7 +71,6 @@ def rebuild(batch: dict[str, torch.Tensor], responses: list[list[int]], pad_id: 
         input_ids[i, p:p + len(r)] = torch.tensor(r, dtype=torch.long, device=device)
         attention[i, :p + len(r)] = 1
         loss_mask[i, p - 1:p + len(r) - 1] = True
-    labels = torch.full((b, t), -100, dtype=torch.long, device=device)
-    labels[:, :-1] = torch.where(loss_mask[:, :-1], input_ids[:, 1:], -100)
-    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask, "labels": labels,
+    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
+            "labels": next_token_labels(input_ids, loss_mask),
             "prompt_len": batch["prompt_len"], "length": torch.tensor(lengths, device=device)}
