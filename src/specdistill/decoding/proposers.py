@@ -17,6 +17,7 @@ import torch
 from specdistill.decoding.loop import SamplingConfig
 from specdistill.decoding.tree import DraftTree, tree_attention
 from specdistill.models.kv_cache import PreallocatedCache
+from specdistill.models.vocab import to_target_logits
 from specdistill.sampling import sample, warp
 
 
@@ -45,12 +46,7 @@ class DraftLMProposer:
     def _forward(self, ids: list[int] | torch.Tensor, **kw: Any) -> torch.Tensor:
         x = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
         hidden = self.model.get_decoder()(input_ids=x, cache=self.cache, use_cache=True, **kw).last_hidden_state
-        logits = self.model.get_output_embeddings()(hidden[0]).float()
-        if self.d2t is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.d2t] = logits
-        return full
+        return to_target_logits(self.model.get_output_embeddings()(hidden[0]).float(), self.d2t, self.vocab_size)
 
     def _catch_up(self, context: list[int]) -> torch.Tensor:
         """Feed the context tokens the cache lacks; returns the logits after the last one."""

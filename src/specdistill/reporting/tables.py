@@ -22,6 +22,9 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
     if metrics["method"] == "lookup":
         return "prompt lookup", "–"
     trained = s.get("draft_training")
+    if metrics["method"] == "medusa":
+        data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
+        return f"Medusa {s.get('medusa_heads')} heads, {s.get('tree_nodes')}-node tree ({s.get('draft_vocab')} tokens)", data
     if trained:
         vocab = s.get("draft_vocab")
         return f"{trained['draft_size']} ({vocab} tokens)", f"{trained['loss']} on {trained['data']}"

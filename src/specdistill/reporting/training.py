@@ -32,10 +32,16 @@ def _row(name: str, r: dict[str, Any]) -> str:
     s, f = r["settings"], r["final"]
     data = s["distill"]["data"]
     vocab = s.get("draft_vocab") or "full"
-    return (f"| {name} | {s['draft']['name']} ({s['draft']['num_layers']} layer{'s' if s['draft']['num_layers'] > 1 else ''}) | "
-            f"{s['method']['init']} | {vocab} | {s['loss']['name']} | {data['source']} | {r['steps']} | "
+    if s["method"].get("name") == "medusa":
+        m = s["method"]
+        student, init = f"Medusa, {m['num_heads']} heads x {m['num_layers']} block", "target's LM head"
+    else:
+        layers = s["draft"]["num_layers"]
+        student, init = f"{s['draft']['name']} ({layers} layer{'s' if layers > 1 else ''})", s["method"]["init"]
+    tau_t1 = f"{f['val/tau_sim']:.2f}" if "val/tau_sim" in f else "–"  # deterministic drafts (Medusa) have no T=1 chain
+    return (f"| {name} | {student} | {init} | {vocab} | {s['loss']['name']} | {data['source']} | {r['steps']} | "
             f"{s.get('train_tokens', 0):,} | {f.get('val/alpha', 0):.3f} | {f.get('val/alpha_t0', 0):.3f} | "
-            f"{f.get('val/tau_sim', 0):.2f} | {f.get('val/tau_sim_t0', 0):.2f} | {s['draft_parameters'] / 1e6:.1f}M |")
+            f"{tau_t1} | {f.get('val/tau_sim_t0', 0):.2f} | {s['draft_parameters'] / 1e6:.1f}M |")
 
 
 HEADER = ["| run | draft | init | draft vocab | loss | training data | steps | train tokens | val/alpha (T=1) | "
@@ -48,7 +54,8 @@ def training_table(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def sweep_table(sweep: dict[str, dict[str, Any]]) -> list[str]:
-    rows = sorted(sweep.items(), key=lambda kv: (kv[1]["settings"]["draft"]["num_layers"], kv[1]["settings"]["loss"]["name"]))
+    rows = sorted(sweep.items(), key=lambda kv: (kv[1]["settings"]["method"].get("name", "draft"),
+                                                 kv[1]["settings"]["draft"]["num_layers"], kv[1]["settings"]["loss"]["name"]))
     return [*HEADER, *(_row(name, r) for name, r in rows)]
 
 
@@ -71,3 +78,50 @@ def alpha_curves(curves: dict[str, list[dict[str, float]]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def medusa_tables(runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str, Any]]) -> list[str]:
+    """Per-head accuracy, the trees grown from it, and exercises 3 and 4 of the background text, from measurement."""
+    from specdistill.decoding.medusa import cartesian_choices, expected_accepted
+
+    lines: list[str] = []
+    for name, r in runs.items():
+        if "trees" not in r:
+            continue
+        f, acc, k = r["final"], r["trees"]["acc"], r["settings"]["method"]["num_heads"]
+        lines += [f"### Medusa heads (`{name}`): per-head accuracy on the validation data", "",
+                  "Head k at position t against the target's top token at t+k (the token k+1 steps ahead); alpha is",
+                  "sum min(p, q) at temperature 1 over the full vocabulary.", "",
+                  "| head | predicts | top-1 | top-5 | alpha (T=1) |", "|---|---|---|---|---|"]
+        lines += [f"| {i} | x(t+{i + 1}) | {f[f'val/head{i}_top1']:.3f} | {f[f'val/head{i}_top5']:.3f} | "
+                  f"{f[f'val/head{i}_alpha']:.3f} |" for i in range(1, k + 1)]
+        lines += ["", "Trees grown from these accuracies (best-first by path probability, heads taken as independent):", "",
+                  "| nodes | depth | candidate sequences (leaves) | expected tau |", "|---|---|---|---|"]
+        for b, t in sorted(r["trees"]["trees"].items(), key=lambda kv: int(kv[0])):
+            choices = [tuple(c) for c in t["choices"]]
+            leaves = sum(1 for c in choices if not any(len(o) == len(c) + 1 and o[:-1] == c for o in choices))
+            lines.append(f"| {b} | {max(map(len, choices))} | {leaves} | {t['expected_tau']:.2f} |")
+        if k >= 3:
+            full = cartesian_choices(3, 3)
+            chosen = [tuple(c) for c in min(r["trees"]["trees"].values(), key=lambda t: len(t["choices"]))["choices"]]
+            lines += ["", "**Exercise 3** (3 heads, top-3 each): the full cartesian tree has 3^3 = 27 candidate sequences "
+                      f"and {len(full)} tree tokens (3 + 9 + 27), for an expected tau of "
+                      f"{1 + expected_accepted(full, acc):.2f} under the measured accuracies; the chosen tree spends "
+                      f"{len(chosen)} tokens for {1 + expected_accepted(chosen, acc):.2f}."]
+        lines += ["", *medusa_memory(r, runs, evaluated), ""]
+    return lines
+
+
+def medusa_memory(medusa: dict[str, Any], runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str, Any]]) -> list[str]:
+    """Exercise 4: the memory of the Medusa heads against the separate draft (parameters; bytes at bf16)."""
+    rows = ["**Exercise 4**, memory at bf16 (2 bytes a parameter): what each method adds to the target's 135M.", "",
+            "| method | parameters | bytes (bf16) | note |", "|---|---|---|---|"]
+    n = medusa["settings"]["draft_parameters"]
+    rows.append(f"| Medusa heads | {n / 1e6:.1f}M | {n * 2 / 2**20:.0f} MiB | "
+                f"{medusa['settings']['method']['num_heads']} heads, vocabulary {medusa['settings'].get('draft_vocab') or 'full'} |")
+    for name, r in runs.items():
+        if r["settings"]["method"].get("name", "draft") == "draft":
+            d = r["settings"]["draft_parameters"]
+            rows.append(f"| separate draft `{name}` | {d / 1e6:.1f}M | {d * 2 / 2**20:.0f} MiB | includes its own copy of "
+                        "the input embeddings (28M), which a deployment could share with the target |")
+    return rows

@@ -16,22 +16,24 @@ from typing import Any
 import datasets
 
 from specdistill.data.generation import stop_ids
+from specdistill.decoding.medusa import MedusaProposer, sort_choices
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
 from specdistill.io import atomic_path, write_json
 from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
+from specdistill.models.medusa import load_medusa, load_trees, parameter_bytes
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
-METHODS = ("draft", "lookup")
+METHODS = ("draft", "medusa", "lookup")
 
 
 @dataclass
 class EvalConfig:
-    method: str = "draft"  # draft: a separate draft LM | lookup: prompt lookup alone
+    method: str = "draft"  # draft: a separate draft LM | medusa: Medusa heads | lookup: prompt lookup alone
     name: str | None = None  # outputs' name: metrics/<name>.json, plots/<name>/; default the method
     datasets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval"])
     num_prompts: int = 5  # per dataset; MT-bench prompts run both turns
@@ -45,6 +47,9 @@ class EvalConfig:
     # (the target's first `draft_layers` layers)
     draft_layers: int = 4
     hf_baselines: bool = True  # HF generate and HF assisted generation beside ours
+    medusa_path: str | None = None  # train@medusa writes models/medusa (heads + tree.json)
+    medusa_budget: int = 16  # which saved tree (nodes) to verify
+    medusa_choices: list[list[int]] | None = None  # an explicit Medusa tree instead of a saved one
     lookup_k: int = 8
     lookup_max_ngram: int = 3
     capacity: int = 4096  # KV cache tokens per generation
@@ -61,8 +66,20 @@ def draft_training(path: str | None) -> dict[str, Any] | None:
     if meta is None or not meta.exists():
         return None
     s = json.loads(meta.read_text())
-    return {"draft_size": s.get("draft", {}).get("name"), "loss": s.get("loss", {}).get("name"),
+    method = s.get("method", {}).get("name", "draft")
+    return {"method": method, "draft_size": s.get("draft", {}).get("name") if method == "draft" else None, "loss": s.get("loss", {}).get("name"),
             "init": s.get("method", {}).get("init"), "data": s.get("distill", {}).get("data", {}).get("source")}
+
+
+def medusa_choices(ecfg: EvalConfig) -> list[tuple[int, ...]]:
+    """The Medusa tree to verify: explicit choices, or the saved tree with `medusa_budget` nodes."""
+    if ecfg.medusa_choices:
+        return sort_choices(ecfg.medusa_choices)
+    trees = load_trees(ecfg.medusa_path)["trees"]
+    if str(ecfg.medusa_budget) not in trees:
+        raise ConfigError(f"eval.medusa_budget={ecfg.medusa_budget}: {ecfg.medusa_path} has trees of "
+                          f"{sorted(int(b) for b in trees)} nodes (methods.medusa.tree_budgets), or give eval.medusa_choices")
+    return sort_choices(trees[str(ecfg.medusa_budget)]["choices"])
 
 
 def load_conversations(prompts_dir: Path, name: str, n: int) -> list[Conversation]:
@@ -85,7 +102,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k)
+    heads = choices = None
+    if ecfg.method == "medusa":  # fail on missing heads or tree before any decoding
+        if not ecfg.medusa_path:
+            raise ConfigError("eval.method=medusa needs eval.medusa_path (train@medusa writes models/medusa)")
+        heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint)
+        choices = medusa_choices(ecfg)
+    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, heads.num_heads if heads else 0)
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
     lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram)
@@ -109,6 +132,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             methods.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0,
                                      assistant=draft, k=ecfg.k))
         methods.append(ours("lookup", lookup))
+    elif ecfg.method == "medusa":
+        n_params, n_bytes = parameter_bytes(heads, model.dtype)
+        draft_info = {"draft": ecfg.medusa_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
+                      "draft_vocab": heads.cfg.draft_vocab_size or heads.cfg.vocab_size, "medusa_heads": heads.num_heads,
+                      "tree_nodes": len(choices), "draft_training": draft_training(ecfg.medusa_path)}
+        methods.append(ours("spec", MedusaProposer(heads, choices)))
     else:
         methods.append(ours("spec", lookup))
 

@@ -14,6 +14,7 @@ from specdistill.reporting.training import (
     alpha_curves,
     load_curves,
     load_training,
+    medusa_tables,
     sweep_table,
     training_table,
 )
@@ -30,17 +31,20 @@ def load_metrics(folder: Path) -> dict[str, dict[str, Any]]:
     return {f.stem: json.loads(f.read_text()) for f in files}
 
 
-def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[str, Any]) -> list[str]:
+def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[str, Any],
+                    evaluated: dict[str, Any] | None = None) -> list[str]:
     if not runs and not sweep:
         return []
     lines = ["## Distillation: validation acceptance of the trained drafts", "",
              "Measured by the train stages on the validation split's on-policy answers (the same tokens for every",
              "run): alpha = mean over response tokens of sum min(p, q) over the full vocabulary (a reduced draft",
              "vocabulary counts the mass it cannot propose as lost); at T=0, whether the argmaxes agree; tau_sim",
-             "chains the position-wise acceptance along the target's continuation for a K = 4 chain.", "",
+             "chains the position-wise acceptance along the target's continuation for a K = 4 chain. For Medusa,",
+             "alpha is head 1's (the first drafted token) and tau_sim at T=0 chains the heads' top-1 accuracies.", "",
              *training_table(runs), ""]
     if curves:
         lines += ["![acceptance curves](alpha_curves.png)", ""]
+    lines += medusa_tables(runs, evaluated or {})
     if sweep:
         lines += ["### Sweep: draft size x loss (`python pipelines/train.py -m draft=... loss=...`)", "",
                   *sweep_table(sweep), ""]
@@ -89,7 +93,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     experiment = cfg.get("experiment_name", "default")
     with wandb_run(cfg.get("logger"), job_type="report", group=experiment, config=cfg) as run_:
         with atomic_path(out, is_dir=True) as tmp:
-            (tmp / "README.md").write_text(render(all_metrics, experiment, render_training(runs, sweep, curves)))
+            (tmp / "README.md").write_text(render(all_metrics, experiment, render_training(runs, sweep, curves, all_metrics)))
             if curves:
                 alpha_curves(curves, tmp / "alpha_curves.png")
             figures.acceptance_by_position(all_metrics, tmp / "acceptance_by_position.png")

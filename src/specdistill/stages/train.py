@@ -15,6 +15,7 @@ import csv
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,11 @@ from specdistill.models.draft_lm import (
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
 from specdistill.training.losses import LossError, build_loss
+from specdistill.training.medusa import MedusaMethodConfig
 
 log = logging.getLogger(__name__)
 
-METHODS = ("draft",)
+METHODS = ("draft", "medusa")
 
 
 @dataclass
@@ -49,6 +51,9 @@ class MethodConfig:
     vocab_size: int | None = None
     freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
     init_from: str | None = None  # a saved draft folder to start from instead (continue, or validate with max_steps=0)
+
+
+METHOD_CONFIGS = {"draft": MethodConfig, "medusa": MedusaMethodConfig}
 
 
 @dataclass
@@ -155,8 +160,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     name = cfg.get("method")
     if name not in METHODS:
         raise ConfigError(f"method={name!r}: use one of {METHODS}")
-    mcfg = section(MethodConfig, dict(cfg["methods"][name]), f"methods.{name}")
-    if mcfg.init not in INITS:
+    if name not in cfg.get("methods", {}):
+        raise ConfigError(f"method={name}: conf/config.yaml must list methods@methods.{name}: {name} in its defaults")
+    mcfg = section(METHOD_CONFIGS[name], dict(cfg["methods"][name]), f"methods.{name}")
+    if name == "draft" and mcfg.init not in INITS:
         raise ConfigError(f"methods.{name}.init={mcfg.init!r}: use one of {INITS}")
     size = section(DraftSize, dict(cfg["draft"]), "draft")
     lcfg = section(LossConfig, dict(cfg["loss"]), "loss")
@@ -167,6 +174,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         loss = build_loss(lcfg.name, lcfg.temperature, **(lcfg.params or {}))  # null: none (e.g. ce after jsd)
     except LossError as e:
         raise ConfigError(f"loss: {e}") from e
+    if name == "medusa" and (dist.teacher != "live" or dcfg.source not in ("target", "dataset")):
+        raise ConfigError(f"method=medusa reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
+                          f"(got {dist.teacher}) and distill.data.source=target or dataset (got {dcfg.source})")
     if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
         raise ConfigError(f"distill.data.source={dcfg.source} trains on the draft's own samples, which have no stored "
                           "top-k: use distill.teacher=live")
@@ -176,7 +186,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     optimizer = hydra.utils.instantiate(dist.optimizer)
     scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
     trainer_kwargs = dict(cfg["trainer"])
-    plan = plan_outputs(cfg, name, size.name, lcfg.name, dist.output)
+    plan = plan_outputs(cfg, name, size.name if name == "draft" else f"k{mcfg.num_heads}", lcfg.name, dist.output)
     generated = Path(cfg["paths"]["generated_dir"])
 
     target = load_target(tcfg)
@@ -184,32 +194,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     datamodule = DistillDataModule(dcfg, generated, cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer,
                                    pad_id=pad_id)
     datamodule.setup("fit")
-    if mcfg.init_from:
-        draft = load_draft(mcfg.init_from).float().train().requires_grad_(True)
-        check_same_vocabulary(draft, target.model)
-        d2t = getattr(draft, "d2t", None)
-    else:
-        d2t = None
-        if mcfg.vocab_size:
-            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
-                                   always=sorted(stops))
-        draft = build_draft(target.model, size, mcfg.init, d2t, seed=int(cfg.get("seed", 0)))
-    from_target = mcfg.init == "from_target" or mcfg.init_from
-    if mcfg.freeze_embeddings and from_target and not draft.config.tie_word_embeddings:
-        # 28M input weights on SmolLM2 that the target already trained: no optimizer state for them
-        draft.get_input_embeddings().requires_grad_(False)
-
-    from specdistill.training.draft import DraftLMModule, OnPolicy
-
-    onpolicy = None
-    if dcfg.source in ("draft", "mix"):
-        onpolicy = OnPolicy(fraction=1.0 if dcfg.source == "draft" else dcfg.mix_lambda,
-                            max_new_tokens=dcfg.max_response_tokens, stops=stops, pad_id=pad_id,
-                            seed=int(cfg.get("seed", 0)))
-    module = DraftLMModule(target.model, draft, onpolicy=onpolicy, loss=loss, optimizer=optimizer, scheduler=scheduler,
-                           teacher=dist.teacher, tau_k=dist.tau_k, max_k=dist.max_k)
+    common = dict(loss=loss, optimizer=optimizer, scheduler=scheduler, teacher=dist.teacher, tau_k=dist.tau_k,
+                  max_k=dist.max_k)
+    built = BUILDERS[name](mcfg, size, dcfg, cfg, target, datamodule, stops, pad_id, common)
+    module = built.module
     data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
-    stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size), "loss": asdict(lcfg), "distill": cfg["distill"],
+    stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size) if name == "draft" else None, "loss": asdict(lcfg), "distill": cfg["distill"],
                          "trainer": trainer_kwargs, "target": target.fingerprint, "data": data_stamp, "seed": cfg.get("seed")})
     ckpt_path, run_id = resume_point(plan.ckpt_dir, stamp)
     if ckpt_path:
@@ -233,11 +223,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
               "settings": {"method": asdict(mcfg), "draft": asdict(size), "loss": asdict(lcfg), "distill": cfg["distill"],
                            "trainer": trainer_kwargs, "experiment": group, "target_fingerprint": target.fingerprint,
                            "train_tokens": datamodule.num_train_tokens, "val_tokens": datamodule.num_val_tokens,
-                           "draft_parameters": sum(p.numel() for p in draft.parameters()),
-                           "draft_vocab": None if d2t is None else len(d2t), **environment()}}
+                           "draft_parameters": sum(p.numel() for p in built.student.parameters()),
+                           "draft_vocab": None if module.d2t is None else len(module.d2t), **environment()}}
+    if hasattr(module, "trees"):  # Medusa: the per-rank accuracies and the trees grown from them
+        result["trees"] = module.trees()
     if trainer.is_global_zero:
-        draft.d2t = None if module.d2t is None else module.d2t.cpu()
-        save_draft(draft.eval(), plan.model_dir, target.tokenizer, extra=result["settings"])
+        built.save(plan.model_dir, result["settings"])
         write_json(plan.metrics_file, result)
         if plan.plots_dir is not None:
             write_curve(sorted(history.values(), key=lambda r: r["step"]), plan.plots_dir)
@@ -249,8 +240,78 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+
+@dataclass
+class Built:
+    """A method's Lightning module, the trained part (counted and saved) and how to save it."""
+
+    module: Any
+    student: Any
+    save: Callable[[Path, dict[str, Any]], None]
+
+
+def _build_draft(mcfg: MethodConfig, size: DraftSize, dcfg: DataConfig, cfg: dict[str, Any], target: Any,
+                 datamodule: DistillDataModule, stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
+    from specdistill.training.draft import DraftLMModule, OnPolicy
+
+    if mcfg.init_from:
+        draft = load_draft(mcfg.init_from).float().train().requires_grad_(True)
+        check_same_vocabulary(draft, target.model)
+        d2t = getattr(draft, "d2t", None)
+    else:
+        d2t = None
+        if mcfg.vocab_size:
+            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
+                                   always=sorted(stops))
+        draft = build_draft(target.model, size, mcfg.init, d2t, seed=int(cfg.get("seed", 0)))
+    from_target = mcfg.init == "from_target" or mcfg.init_from
+    if mcfg.freeze_embeddings and from_target and not draft.config.tie_word_embeddings:
+        # 28M input weights on SmolLM2 that the target already trained: no optimizer state for them
+        draft.get_input_embeddings().requires_grad_(False)
+    onpolicy = None
+    if dcfg.source in ("draft", "mix"):
+        onpolicy = OnPolicy(fraction=1.0 if dcfg.source == "draft" else dcfg.mix_lambda,
+                            max_new_tokens=dcfg.max_response_tokens, stops=stops, pad_id=pad_id,
+                            seed=int(cfg.get("seed", 0)))
+    module = DraftLMModule(target.model, draft, onpolicy=onpolicy, **common)
+
+    def save(out: Path, settings: dict[str, Any]) -> None:
+        draft.d2t = None if module.d2t is None else module.d2t.cpu()
+        save_draft(draft.eval(), out, target.tokenizer, extra=settings)
+
+    return Built(module, draft, save)
+
+
+def _build_medusa(mcfg: MedusaMethodConfig, size: DraftSize, dcfg: DataConfig, cfg: dict[str, Any], target: Any,
+                  datamodule: DistillDataModule, stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
+    from specdistill.models.medusa import build_medusa, load_medusa, save_medusa
+    from specdistill.training.medusa import MedusaModule
+
+    if mcfg.init_from:
+        heads = load_medusa(mcfg.init_from, target_fingerprint=target.fingerprint).float().train().requires_grad_(True)
+    else:
+        d2t = None
+        if mcfg.vocab_size:
+            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
+                                   always=sorted(stops))
+        heads = build_medusa(target.model, mcfg.num_heads, mcfg.num_layers, d2t, fingerprint=target.fingerprint)
+    module = MedusaModule(target.model, heads, decay=mcfg.decay, max_rank=mcfg.max_rank,
+                          tree_budgets=mcfg.tree_budgets, **common)
+
+    def save(out: Path, settings: dict[str, Any]) -> None:
+        save_medusa(heads.eval(), out, extra=settings, trees=module.trees())
+
+    return Built(module, heads, save)
+
+
+BUILDERS: dict[str, Callable[..., Built]] = {"draft": _build_draft, "medusa": _build_medusa}
+
+
 def write_curve(rows: list[dict[str, Any]], plots_dir: Path) -> None:
-    keys = ["step", "val/alpha", "val/alpha_t0", "val/tau_sim", "val/tau_sim_t0"]
+    """val.csv: every validation figure against step (the acceptance curve; Medusa adds its per-head columns)."""
+    present = {k for r in rows for k in r}
+    keys = ["step"] + [k for k in ("val/alpha", "val/alpha_t0", "val/tau_sim", "val/tau_sim_t0") if k in present]
+    keys += sorted(k for k in present if k.startswith(("val/head", "val/tau_tree")))
     with atomic_path(plots_dir, is_dir=True) as tmp:
         with open(tmp / "val.csv", "w", newline="") as f:
             w = csv.writer(f)

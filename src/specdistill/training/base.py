@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import MeanMetric
 
+from specdistill.models.vocab import target_to_draft, to_target_logits
 from specdistill.training.losses import Divergence, Teacher
 from specdistill.training.metrics import AcceptanceMetric
 
@@ -45,6 +46,7 @@ class DistillModule(pl.LightningModule):
         self.val_acceptance = AcceptanceMetric(max_k)
         self.val_loss = MeanMetric()  # token-weighted and summed across ranks: exact under uneven shards
         self.val_history: list[dict[str, float]] = []  # one row per validation pass: the acceptance curve
+        self.use_draft_vocab(None)
 
     @property
     def target(self) -> Any:
@@ -65,12 +67,29 @@ class DistillModule(pl.LightningModule):
         """[N, V_student] logits at the loss positions."""
         raise NotImplementedError
 
+    # --- a reduced student vocabulary (models/vocab.py) ----------------------------------------------
+    def use_draft_vocab(self, d2t: torch.Tensor | None) -> None:
+        """The student's head scores `d2t`'s target ids only (None: the target's whole vocabulary)."""
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        self.vocab_size = vocab
+        self.register_buffer("d2t", None if d2t is None else d2t.long())  # saved: a checkpoint knows its head
+        self.register_buffer("t2d", None if d2t is None else target_to_draft(d2t.long(), vocab), persistent=False)
+
     def to_target_vocab(self, student_logits: torch.Tensor) -> torch.Tensor:
-        """Student logits over the target's vocabulary (a reduced head scatters; -inf elsewhere)."""
-        return student_logits
+        """Student logits over the target's vocabulary (a reduced head scatters; -inf elsewhere): validation
+        counts the mass the student cannot propose as lost, exactly as the decoder will."""
+        return to_target_logits(student_logits, self.d2t, self.vocab_size)
 
     def teacher_in_student_vocab(self, teacher: Teacher, targets: torch.Tensor) -> tuple[Teacher, torch.Tensor]:
-        """The teacher (and hard targets, -100 where the student cannot emit them) in the student's vocabulary."""
+        """The teacher renormalised over the student's vocabulary (the loss's log_softmax does it), and hard
+        targets with -100 where the student cannot emit them."""
+        if self.d2t is None:
+            return teacher, targets
+        targets = torch.where(self.t2d[targets] >= 0, self.t2d[targets], torch.full_like(targets, -100))
+        if teacher.topk_ids is not None:  # stored top-k: dense log-probs, ids outside the draft get none
+            teacher = Teacher(logits=teacher.log_probs(1.0, self.vocab_size))
+        if teacher.logits is not None:
+            return Teacher(logits=teacher.logits[:, self.d2t]), targets
         return teacher, targets
 
     def _loss(self, student: torch.Tensor, teacher: Teacher, targets: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -75,3 +75,46 @@ class AcceptanceMetric(Metric):
                 out[f"alpha_pos{k}{tag}"] = sums[k] / sums[k - 1].clamp(min=1e-12)
                 out[f"tau_sim{k}{tag}"] = 1 + sums[1:k + 1].sum() / n
         return out
+
+
+class HeadAccuracy(Metric):
+    """Per-head validation figures of heads that each predict a fixed number of steps ahead (Medusa).
+
+    For head k at every scored position: the rank of the target's top token among the head's logits
+    (full vocabulary; a token the head cannot emit is never hit), kept as counts of rank i for
+    i < max_rank (so top-i accuracy and the tree builder's acc[k][i] both follow), and the head's
+    expected acceptance alpha = sum min(p, q) at temperature 1. Sums, synced across ranks.
+    """
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self, num_heads: int, max_rank: int = 10, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads, self.max_rank = num_heads, max_rank
+        self.add_state("rank_hits", torch.zeros(num_heads, max_rank, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("alpha", torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, k: int, teacher_logits: torch.Tensor, head_logits: torch.Tensor) -> None:
+        """Head k (1-based), logits [N, V] at its N positions, the head's already over the target's vocabulary."""
+        if not len(teacher_logits):
+            return
+        alpha, _ = token_acceptance(teacher_logits, head_logits)
+        head_logits = head_logits.float()
+        best = head_logits.gather(-1, teacher_logits.argmax(-1, keepdim=True))  # the head's score of the target's token
+        rank = (head_logits > best).sum(-1)
+        rank = torch.where(torch.isfinite(best[:, 0]), rank, torch.full_like(rank, self.max_rank))
+        self.rank_hits[k - 1] += torch.bincount(rank.clamp(max=self.max_rank), minlength=self.max_rank + 1)[:-1].double()
+        self.alpha[k - 1] += alpha.double().sum()
+        self.count[k - 1] += len(alpha)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        n = self.count.clamp(min=1)
+        acc = self.rank_hits / n[:, None]
+        out: dict[str, torch.Tensor] = {"acc": acc}
+        for k in range(self.num_heads):
+            out[f"head{k + 1}_top1"] = acc[k, 0]
+            out[f"head{k + 1}_top5"] = acc[k, :5].sum()
+            out[f"head{k + 1}_alpha"] = self.alpha[k] / n[k]
+        return out

@@ -1,0 +1,74 @@
+"""What verifying a draft tree costs the target, by tree size: the budget behind a Medusa/EAGLE tree.
+
+    python benchmarks/verify_cost.py [--context 300] [--nodes 0 1 2 4 8 16 32 64] [--repeats 24]
+
+Batch size 1 with a KV cache of --context tokens, the decoder's own `TargetVerifier.score` on a
+tree of n nodes (a binary-ish tree: each node's parent is (i-1)//2, so a tree mask is used) plus
+the root; n = 0 is a plain decode step. Prints ms per verification (median of --repeats) and the
+ratio to the plain step, measured in this process. A tree of n nodes pays off only when its
+expected accepted length beats that ratio (tau >= cost ratio for a speed-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from specdistill.decoding.tree import DraftTree  # noqa: E402
+from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
+from specdistill.models.target import load_target  # noqa: E402
+from specdistill.stages.common import environment  # noqa: E402
+
+
+def tree_of(n: int, vocab: int) -> DraftTree | None:
+    if n == 0:
+        return None
+    g = torch.Generator().manual_seed(n)
+    return DraftTree(torch.randint(0, vocab, (n,), generator=g), torch.tensor([(i - 1) // 2 for i in range(n)]))
+
+
+@torch.inference_mode()
+def verify_ms(verifier: TargetVerifier, context: list[int], n: int, repeats: int, vocab: int) -> float:
+    tree = tree_of(n, vocab)
+    verifier.prefill(context)
+    times = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        verifier.score(context[i % len(context)], tree)
+        verifier.commit([])  # keep the root only: the context grows by one token per repeat
+        if i >= 2:  # warm-up
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--repeats", type=int, default=24)
+    ap.add_argument("--target", default=str(ROOT / "data/assets/target"))
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    target = load_target({"name_or_path": args.target, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": args.dtype})
+    vocab = target.vocab_size
+    context = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    verifier = TargetVerifier(target.model, capacity=args.context + 4 * args.repeats + 128)
+    rows = {n: verify_ms(verifier, context, n, args.repeats, vocab) for n in args.nodes}
+    base = rows.get(0) or verify_ms(verifier, context, 0, args.repeats, vocab)
+    print(f"{'nodes':>6} {'ms':>8} {'x plain step':>13}")
+    for n, ms in rows.items():
+        print(f"{n:>6} {ms:8.1f} {ms / base:13.2f}")
+    print(json.dumps({"context": args.context, "dtype": args.dtype, "ms": rows, **environment()}))
+
+
+if __name__ == "__main__":
+    main()
