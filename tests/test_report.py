@@ -66,3 +66,29 @@ def test_report_has_the_distillation_tables_and_curves(tmp_path, monkeypatch):
     assert "### Sweep" in text and "| draft-s-tvd | xs (2 layers) |" in text
     assert (tmp_path / "reports/alpha_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "train_draft" not in [k for k in report.load_metrics(tmp_path / "metrics")]
+
+
+def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/draft.json").write_text(json.dumps(metrics("draft", [0.8, 0.5], 2.1)))
+    (tmp_path / "metrics/train_draft.json").write_text(json.dumps(train_metrics("fkl", "target", 0.612)))
+    acc = [[0.6, 0.1, 0.05], [0.4, 0.1, 0.05], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05]]
+    medusa = train_metrics("fkl", "target", 0.5)
+    medusa["settings"]["method"] = {"name": "medusa", "num_heads": 4, "num_layers": 1}
+    medusa["settings"]["draft_parameters"] = 20_000_000
+    medusa["final"].update({f"val/head{k}_{m}": 0.1 * k for k in range(1, 5) for m in ("top1", "top5", "alpha")})
+    medusa["trees"] = {"acc": acc, "trees": {"4": {"choices": [[0], [1], [0, 0], [0, 0, 0]], "expected_tau": 2.07}}}
+    (tmp_path / "metrics/train_medusa.json").write_text(json.dumps(medusa))
+    eagle = train_metrics("fkl", "target", 0.7)
+    eagle["settings"]["method"] = {"name": "eagle", "variant": "eagle3", "ttt_steps": 3}
+    eagle["final"].update({f"val/alpha_pos{k}{t}": 0.5 for k in range(1, 5) for t in ("", "_t0")})
+    eagle["final"]["val/vocab_coverage"] = 0.883
+    (tmp_path / "metrics/train_eagle.json").write_text(json.dumps(eagle))
+    monkeypatch.chdir(tmp_path)
+    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
+    text = (tmp_path / "reports/README.md").read_text()
+    assert "| medusa | Medusa, 4 heads x 1 block |" in text and "| 1 | x(t+2) | 0.100 | 0.100 | 0.100 |" in text
+    # exercise 3 from the measured accuracies: the cartesian 3x3x3 tree (39 tokens) against the 4-node tree
+    assert "27 candidate sequences and 39 tree tokens" in text and "the chosen tree spends 4 tokens" in text
+    assert "| Medusa heads | 20.0M | 38 MiB |" in text and "| separate draft `draft` | 35.4M |" in text
+    assert "| eagle | EAGLE head (eagle3, 1 layer, TTT 3) |" in text and "| 0.883 |" in text

@@ -35,6 +35,10 @@ def _row(name: str, r: dict[str, Any]) -> str:
     if s["method"].get("name") == "medusa":
         m = s["method"]
         student, init = f"Medusa, {m['num_heads']} heads x {m['num_layers']} block", "target's LM head"
+    elif "variant" in s["method"]:
+        m = s["method"]
+        student = f"EAGLE head ({m['variant']}, 1 layer{', TTT ' + str(m['ttt_steps']) if m['ttt_steps'] > 1 else ''})"
+        init = "target's last layer + LM head" if m["variant"] == "eagle1" else "random layer, target's LM head rows"
     else:
         layers = s["draft"]["num_layers"]
         student, init = f"{s['draft']['name']} ({layers} layer{'s' if layers > 1 else ''})", s["method"]["init"]
@@ -125,3 +129,24 @@ def medusa_memory(medusa: dict[str, Any], runs: dict[str, dict[str, Any]], evalu
             rows.append(f"| separate draft `{name}` | {d / 1e6:.1f}M | {d * 2 / 2**20:.0f} MiB | includes its own copy of "
                         "the input embeddings (28M), which a deployment could share with the target |")
     return rows
+
+
+def eagle_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Per-step acceptance of the EAGLE heads unrolled on their own states (validation, full vocabulary)."""
+    rows = {n: r for n, r in runs.items() if "variant" in r["settings"]["method"]}
+    if not rows:
+        return []
+    k = max(int(key.removeprefix("val/alpha_pos").removesuffix("_t0")) for r in rows.values()
+            for key in r["final"] if key.startswith("val/alpha_pos"))
+    head = " | ".join(f"step {i} (T=1 / T=0)" for i in range(1, k + 1))
+    lines = ["### EAGLE heads: acceptance per drafting step (validation)", "",
+             "Step k's alpha given steps 1..k-1 were accepted, each step fed the head's own state (the chain the",
+             "decoder drafts); coverage is the target's probability mass inside the draft vocabulary.", "",
+             f"| run | {head} | tau_sim K=4 (T=1 / T=0) | vocabulary coverage |", "|---|" + "---|" * (k + 2)]
+    for name, r in rows.items():
+        f = r["final"]
+        cells = " | ".join(f"{f.get(f'val/alpha_pos{i}', 0):.3f} / {f.get(f'val/alpha_pos{i}_t0', 0):.3f}" for i in range(1, k + 1))
+        cov = f.get("val/vocab_coverage")
+        lines.append(f"| {name} | {cells} | {f.get('val/tau_sim', 0):.2f} / {f.get('val/tau_sim_t0', 0):.2f} | "
+                      f"{'–' if cov is None else f'{cov:.3f}'} |")
+    return [*lines, ""]

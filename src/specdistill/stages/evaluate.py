@@ -16,11 +16,13 @@ from typing import Any
 import datasets
 
 from specdistill.data.generation import stop_ids
+from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.medusa import MedusaProposer, sort_choices
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
 from specdistill.io import atomic_path, write_json
 from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
+from specdistill.models.eagle import load_eagle
 from specdistill.models.medusa import load_medusa, load_trees, parameter_bytes
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
@@ -28,12 +30,12 @@ from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
-METHODS = ("draft", "medusa", "lookup")
+METHODS = ("draft", "medusa", "eagle", "lookup")
 
 
 @dataclass
 class EvalConfig:
-    method: str = "draft"  # draft: a separate draft LM | medusa: Medusa heads | lookup: prompt lookup alone
+    method: str = "draft"  # draft: a separate draft LM | medusa: Medusa heads | eagle: an EAGLE head | lookup
     name: str | None = None  # outputs' name: metrics/<name>.json, plots/<name>/; default the method
     datasets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval"])
     num_prompts: int = 5  # per dataset; MT-bench prompts run both turns
@@ -50,6 +52,8 @@ class EvalConfig:
     medusa_path: str | None = None  # train@medusa writes models/medusa (heads + tree.json)
     medusa_budget: int = 16  # which saved tree (nodes) to verify
     medusa_choices: list[list[int]] | None = None  # an explicit Medusa tree instead of a saved one
+    eagle_path: str | None = None  # train@eagle writes models/eagle (eagle3), train@eagle1 models/eagle1
+    eagle_tree: dict[str, Any] = field(default_factory=dict)  # decoding/eagle.py EagleTreeConfig
     lookup_k: int = 8
     lookup_max_ngram: int = 3
     capacity: int = 4096  # KV cache tokens per generation
@@ -58,6 +62,10 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"eval.method={self.method!r}: use one of {METHODS}")
+        try:
+            EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"eval.eagle_tree: {e}") from e
 
 
 def draft_training(path: str | None) -> dict[str, Any] | None:
@@ -102,13 +110,19 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    heads = choices = None
+    heads = choices = eagle = None
+    if ecfg.method == "eagle":
+        if not ecfg.eagle_path:
+            raise ConfigError("eval.method=eagle needs eval.eagle_path (train@eagle writes models/eagle)")
+        eagle = EagleProposer(load_eagle(ecfg.eagle_path, model, dtype=model.dtype, target_fingerprint=target.fingerprint),
+                              EagleTreeConfig(**ecfg.eagle_tree), capacity=ecfg.capacity)
     if ecfg.method == "medusa":  # fail on missing heads or tree before any decoding
         if not ecfg.medusa_path:
             raise ConfigError("eval.method=medusa needs eval.medusa_path (train@medusa writes models/medusa)")
         heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint)
         choices = medusa_choices(ecfg)
-    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, heads.num_heads if heads else 0)
+    eagle_depth = 0 if eagle is None else max(eagle.tree.k, eagle.tree.depth, len(eagle.tree.branching or []))
+    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, heads.num_heads if heads else 0, eagle_depth)
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
     lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram)
@@ -138,6 +152,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                       "draft_vocab": heads.cfg.draft_vocab_size or heads.cfg.vocab_size, "medusa_heads": heads.num_heads,
                       "tree_nodes": len(choices), "draft_training": draft_training(ecfg.medusa_path)}
         methods.append(ours("spec", MedusaProposer(heads, choices)))
+    elif ecfg.method == "eagle":
+        n_params, n_bytes = parameter_bytes(eagle.head, model.dtype)
+        draft_info = {"draft": ecfg.eagle_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
+                      "draft_vocab": eagle.head.cfg.draft_vocab_size or eagle.head.cfg.vocab_size,
+                      "eagle_variant": eagle.head.cfg.variant, "eagle_tree": asdict(eagle.tree),
+                      "draft_training": draft_training(ecfg.eagle_path)}
+        methods.append(ours("spec", eagle))
     else:
         methods.append(ours("spec", lookup))
 

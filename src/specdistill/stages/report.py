@@ -12,6 +12,7 @@ from specdistill.reporting import figures, settings
 from specdistill.reporting.tables import formula_check, results_table, time_split, tv_check
 from specdistill.reporting.training import (
     alpha_curves,
+    eagle_table,
     load_curves,
     load_training,
     medusa_tables,
@@ -45,6 +46,7 @@ def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[st
     if curves:
         lines += ["![acceptance curves](alpha_curves.png)", ""]
     lines += medusa_tables(runs, evaluated or {})
+    lines += eagle_table(runs)
     if sweep:
         lines += ["### Sweep: draft size x loss (`python pipelines/train.py -m draft=... loss=...`)", "",
                   *sweep_table(sweep), ""]

@@ -36,12 +36,13 @@ from specdistill.models.draft_lm import (
 )
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
+from specdistill.training.eagle import EagleMethodConfig
 from specdistill.training.losses import LossError, build_loss
 from specdistill.training.medusa import MedusaMethodConfig
 
 log = logging.getLogger(__name__)
 
-METHODS = ("draft", "medusa")
+METHODS = ("draft", "medusa", "eagle", "eagle1")
 
 
 @dataclass
@@ -53,7 +54,8 @@ class MethodConfig:
     init_from: str | None = None  # a saved draft folder to start from instead (continue, or validate with max_steps=0)
 
 
-METHOD_CONFIGS = {"draft": MethodConfig, "medusa": MedusaMethodConfig}
+METHOD_CONFIGS = {"draft": MethodConfig, "medusa": MedusaMethodConfig, "eagle": EagleMethodConfig,
+                  "eagle1": EagleMethodConfig}
 
 
 @dataclass
@@ -174,8 +176,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         loss = build_loss(lcfg.name, lcfg.temperature, **(lcfg.params or {}))  # null: none (e.g. ce after jsd)
     except LossError as e:
         raise ConfigError(f"loss: {e}") from e
-    if name == "medusa" and (dist.teacher != "live" or dcfg.source not in ("target", "dataset")):
-        raise ConfigError(f"method=medusa reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
+    if name != "draft" and (dist.teacher != "live" or dcfg.source not in ("target", "dataset")):
+        raise ConfigError(f"method={name} reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
                           f"(got {dist.teacher}) and distill.data.source=target or dataset (got {dcfg.source})")
     if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
         raise ConfigError(f"distill.data.source={dcfg.source} trains on the draft's own samples, which have no stored "
@@ -186,7 +188,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     optimizer = hydra.utils.instantiate(dist.optimizer)
     scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
     trainer_kwargs = dict(cfg["trainer"])
-    plan = plan_outputs(cfg, name, size.name if name == "draft" else f"k{mcfg.num_heads}", lcfg.name, dist.output)
+    label = {"draft": lambda: size.name, "medusa": lambda: f"k{mcfg.num_heads}"}.get(name, lambda: mcfg.variant)()
+    plan = plan_outputs(cfg, name, label, lcfg.name, dist.output)
     generated = Path(cfg["paths"]["generated_dir"])
 
     target = load_target(tcfg)
@@ -304,7 +307,38 @@ def _build_medusa(mcfg: MedusaMethodConfig, size: DraftSize, dcfg: DataConfig, c
     return Built(module, heads, save)
 
 
-BUILDERS: dict[str, Callable[..., Built]] = {"draft": _build_draft, "medusa": _build_medusa}
+def _build_eagle(mcfg: EagleMethodConfig, size: DraftSize, dcfg: DataConfig, cfg: dict[str, Any], target: Any,
+                 datamodule: DistillDataModule, stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
+    from specdistill.models.eagle import VARIANTS, build_eagle, load_eagle, save_eagle
+    from specdistill.training.eagle import EagleModule, default_feature_layers
+
+    if mcfg.variant not in VARIANTS:
+        raise ConfigError(f"methods.{mcfg.name}.variant={mcfg.variant!r}: use one of {VARIANTS}")
+    if mcfg.init_from:
+        head = load_eagle(mcfg.init_from, target.model, target_fingerprint=target.fingerprint).float().train()
+        head.requires_grad_(True)
+        if head.cfg.variant == "eagle1":
+            head.norm.requires_grad_(False)
+            head.lm_head.requires_grad_(False)
+    else:
+        d2t = None
+        if mcfg.vocab_size:
+            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
+                                   always=sorted(stops))
+        layers = mcfg.feature_layers or default_feature_layers(mcfg.variant, target.model.config.num_hidden_layers)
+        head = build_eagle(target.model, mcfg.variant, layers, d2t, fingerprint=target.fingerprint,
+                           seed=int(cfg.get("seed", 0)))
+    module = EagleModule(target.model, head, ttt_steps=mcfg.ttt_steps, step_decay=mcfg.step_decay,
+                         feature_weight=mcfg.feature_weight, ce_weight=mcfg.ce_weight, noise=mcfg.noise, **common)
+
+    def save(out: Path, settings: dict[str, Any]) -> None:
+        save_eagle(head.eval(), out, extra=settings)  # + eagle3/: the serving-engine layout
+
+    return Built(module, head, save)
+
+
+BUILDERS: dict[str, Callable[..., Built]] = {"draft": _build_draft, "medusa": _build_medusa, "eagle": _build_eagle,
+                                             "eagle1": _build_eagle}
 
 
 def write_curve(rows: list[dict[str, Any]], plots_dir: Path) -> None:

@@ -118,3 +118,40 @@ class HeadAccuracy(Metric):
             out[f"head{k + 1}_top5"] = acc[k, :5].sum()
             out[f"head{k + 1}_alpha"] = self.alpha[k] / n[k]
         return out
+
+
+class UnrolledAcceptance(Metric):
+    """Acceptance of a head unrolled on its own predictions (EAGLE), from per-step grids.
+
+    Step k's grid [B, T] holds, at every anchor t where step k is scored, alpha = sum min(p, q)
+    (temperature 1) or greedy agreement (temperature 0) of the token k+1 steps after the anchor's
+    first draft, 0 elsewhere. As in `AcceptanceMetric`, S_k = sum over anchors of prod_{j<k} a_j and
+    alpha_pos{k} = S_k / S_{k-1}, tau_sim(K) = 1 + sum_{k<=K} S_k / S_0; summed across ranks.
+    """
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self, max_k: int = 8, **kwargs):
+        super().__init__(**kwargs)
+        self.max_k = max_k
+        self.add_state("sums_t1", torch.zeros(max_k + 1, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("sums_t0", torch.zeros(max_k + 1, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, alpha_steps: list[torch.Tensor], greedy_steps: list[torch.Tensor], start: torch.Tensor) -> None:
+        for sums, grids in ((self.sums_t1, alpha_steps), (self.sums_t0, greedy_steps)):
+            prod = start.double()
+            sums[0] += prod.sum()
+            for k, grid in enumerate(grids[: self.max_k], start=1):
+                prod = prod * grid.double()
+                sums[k] += prod.sum()
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        n = self.sums_t1[0].clamp(min=1)
+        out = {"tokens": self.sums_t1[0]}
+        for tag, sums in (("", self.sums_t1), ("_t0", self.sums_t0)):
+            for k in range(1, self.max_k + 1):
+                out[f"alpha_pos{k}{tag}"] = sums[k] / sums[k - 1].clamp(min=1e-12)
+                out[f"tau_sim{k}{tag}"] = 1 + sums[1:k + 1].sum() / n
+        out["alpha"], out["alpha_t0"] = out["alpha_pos1"], out["alpha_pos1_t0"]
+        return out

@@ -1,0 +1,175 @@
+"""method=eagle / eagle1: EAGLE heads trained on the frozen target's features (models/eagle.py).
+
+Alignment (the anchor t, as in decoding): step 0 reads h_t and x_{t+1} and is scored against the
+target at t+1 (its distribution over x_{t+2}); step i (training-time test, EAGLE-3) reads the head's
+own step-(i-1) state and x_{t+i+1}, sits at position t+i, and is scored against the target at t+i+1.
+A step counts at anchor t when position t+i+1 is a scored position (its next token is a response
+token). All anchors of a batch run in parallel: step i's queries see the step-0 entries of
+positions <= t (causal) and their own anchor's entries of steps 1..i (a diagonal per step), which
+is exactly what the head sees while drafting (`decoding/eagle.py`; tested equal).
+
+Loss: eagle3 sum_i decay^i D(p_{t+i+1} || q_i) with D from the registry (the target renormalised over
+the draft vocabulary); eagle1 SmoothL1 between the predicted and the target's unit-RMS state at t+1
+plus ce_weight * D through the target's frozen LM head, with uniform noise on the input features.
+Validation unrolls max(ttt_steps, tau_k) steps: val/alpha_pos{k} and val/tau_sim over the full
+vocabulary, and val/vocab_coverage, the target's probability mass inside the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchmetrics import MeanMetric
+from transformers import DynamicCache
+
+from specdistill.models.eagle import EagleHead, unit_rms
+from specdistill.models.hidden import HiddenTap
+from specdistill.training.base import DistillModule
+from specdistill.training.losses import Teacher
+from specdistill.training.metrics import UnrolledAcceptance, token_acceptance
+
+
+@dataclass
+class EagleMethodConfig:
+    name: str = "eagle"
+    variant: str = "eagle3"  # eagle1 | eagle3
+    feature_layers: list[int] | None = None  # null: eagle1 [L] (the final norm's input); eagle3 [2, L//2, L-3]
+    vocab_size: int | None = 8192  # draft vocabulary (top-N tokens of the generated data); null: the target's
+    ttt_steps: int = 3  # training-time test: steps unrolled on the head's own states (1: EAGLE-1 training)
+    step_decay: float = 0.8  # step i's loss weight decay^i
+    feature_weight: float = 1.0  # eagle1: SmoothL1 on the predicted state
+    ce_weight: float = 0.1  # eagle1: weight of the token loss through the frozen LM head
+    noise: float = 0.0  # uniform noise in [-noise, noise] on the (unit-RMS) input features while training
+    init_from: str | None = None  # a saved head folder to continue from
+
+
+def default_feature_layers(variant: str, num_layers: int) -> list[int]:
+    """HiddenTap indices (0 = embeddings, i = output of layer i): EAGLE-3's low/middle/high default is
+    hidden_states [2, L//2, L-3], as the reference code and vLLM/SGLang take when none are given."""
+    return [num_layers] if variant == "eagle1" else [2, num_layers // 2, num_layers - 3]
+
+
+def step_pairs(mask: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step i: anchors t [B, T] with t+i+1 scored, and those scored positions t+i+1 [B, T], same order."""
+    shift = i + 1
+    valid = mask[:, shift:]
+    anchors = torch.nn.functional.pad(valid, (0, shift))
+    return anchors, torch.nn.functional.pad(valid, (shift, 0))
+
+
+def ttt_mask(attention_mask: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, T, T * (step + 1)] additive mask of step `step`: block 0 causal over real keys (a query
+    always sees itself), block j >= 1 the same anchor's step-j entry only."""
+    b, t = attention_mask.shape
+    idx = torch.arange(t, device=attention_mask.device)
+    causal = idx[None, :] <= idx[:, None]
+    block0 = causal[None] & (attention_mask.bool()[:, None, :] | torch.eye(t, dtype=torch.bool, device=idx.device)[None])
+    blocks = [block0] + [torch.eye(t, dtype=torch.bool, device=idx.device)[None].expand(b, t, t)] * step
+    visible = torch.cat(blocks, dim=-1)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=idx.device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def unroll(head: EagleHead, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+           steps: int, noise: float = 0.0, generator: torch.Generator | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(state [B, T, H], logits [B, T, N]) of steps 0..steps-1 at every anchor, all anchors in parallel."""
+    b, t = input_ids.shape
+    hidden = head.features_in(features)
+    if noise > 0:
+        hidden = hidden + (torch.rand(hidden.shape, generator=generator, device=hidden.device) * 2 - 1).to(hidden.dtype) * noise
+    cache = DynamicCache()
+    positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+    outs = []
+    for i in range(steps):
+        tokens = torch.nn.functional.pad(input_ids[:, i + 1:], (0, i + 1))  # x_{t+i+1} at anchor t (0 past the end)
+        mask = ttt_mask(attention_mask, i, hidden.dtype if hidden.is_floating_point() else torch.float32)
+        out, logits = head.step(hidden, tokens, positions + i, mask, cache)
+        outs.append((out, logits))
+        hidden = out
+    return outs
+
+
+class EagleModule(DistillModule):
+    def __init__(self, target_model: Any, head: EagleHead, ttt_steps: int = 3, step_decay: float = 0.8,
+                 feature_weight: float = 1.0, ce_weight: float = 0.1, noise: float = 0.0, **kwargs: Any):
+        super().__init__(target_model, **kwargs)
+        if ttt_steps < 1 or not 0 < step_decay <= 1:
+            raise ValueError(f"eagle ttt_steps={ttt_steps} must be >= 1 and step_decay={step_decay} in (0, 1]")
+        self.head = head
+        self.variant = head.cfg.variant
+        self.ttt_steps, self.step_decay = ttt_steps, step_decay
+        self.feature_weight, self.ce_weight, self.noise = feature_weight, ce_weight, noise
+        self.use_draft_vocab(head.d2t)
+        self.val_steps = max(ttt_steps, self.tau_k)
+        self.val_unrolled = UnrolledAcceptance(self.val_steps)
+        self.val_coverage = MeanMetric()
+
+    @torch.no_grad()
+    def _target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head's input features [B, T, F], the target's logits [N, V] at the scored positions)."""
+        layers = list(self.head.cfg.feature_layers)
+        with HiddenTap(self.target, layers) as tap:
+            hidden = self.target.get_decoder()(input_ids=batch["input_ids"],
+                                               attention_mask=batch["attention_mask"]).last_hidden_state
+        return tap.concat(), self.target.get_output_embeddings()(hidden[batch["loss_mask"]]).float()
+
+    def _steps(self, batch: dict[str, torch.Tensor], steps: int, noise: float):
+        mask = batch["loss_mask"]
+        features, teacher = self._target_pass(batch)
+        row = mask.flatten().cumsum(0).view_as(mask) - 1
+        outs = unroll(self.head, features, batch["input_ids"], batch["attention_mask"], steps, noise)
+        for i, (out, logits) in enumerate(outs):
+            anchors, scored = step_pairs(mask, i)
+            yield i, anchors, logits[anchors].float(), teacher[row[scored]], batch["labels"][scored], out, features, scored
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for i, anchors, s_logits, t_logits, labels, out, features, scored in self._steps(batch, self.ttt_steps, self.noise):
+            teacher = Teacher() if self.loss.name == "ce" else Teacher(logits=t_logits)
+            loss, n = self._loss(s_logits, teacher, labels)
+            weight = self.step_decay ** i * (self.ce_weight if self.variant == "eagle1" else 1.0)
+            total = total + weight * loss
+            self.log(f"train/loss_step{i}", loss, batch_size=max(n, 1))
+            if self.variant == "eagle1" and i == 0 and self.feature_weight > 0 and anchors.any():
+                # the target's own state one position on, scale-free (see models/eagle.py)
+                feat = torch.nn.functional.smooth_l1_loss(out[anchors].float(), unit_rms(features[scored]))
+                total = total + self.feature_weight * feat
+                self.log("train/feature_loss", feat, batch_size=int(anchors.sum()))
+        self.log("train/loss", total, prog_bar=True)
+        return total
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        alphas, greedies, start = [], [], None
+        for i, anchors, s_logits, t_logits, labels, *_ in self._steps(batch, self.val_steps, 0.0):
+            if i == 0:
+                start = anchors
+                loss, n = self._loss(s_logits, Teacher(logits=t_logits), labels)
+                if n:
+                    self.val_loss.update(loss.detach(), weight=n)
+                if self.d2t is not None and len(t_logits):
+                    self.val_coverage.update(torch.softmax(t_logits, -1)[:, self.d2t].sum(-1))
+            alpha, greedy = token_acceptance(t_logits, self.to_target_vocab(s_logits))
+            for grids, per in ((alphas, alpha), (greedies, greedy)):
+                grid = torch.zeros(anchors.shape, device=per.device)
+                grid[anchors] = per
+                grids.append(grid)
+        # anchors of step i are a subset of step 0's (the response is contiguous): chains stop at its end
+        self.val_unrolled.update(alphas, greedies, start)
+
+    def on_validation_epoch_end(self) -> None:
+        values = self.val_unrolled.compute()
+        self.val_unrolled.reset()
+        logged = {"val/loss": self.val_loss.compute(), "val/alpha": values["alpha"], "val/alpha_t0": values["alpha_t0"],
+                  "val/tau_sim": values[f"tau_sim{self.tau_k}"], "val/tau_sim_t0": values[f"tau_sim{self.tau_k}_t0"]}
+        self.val_loss.reset()
+        for key, v in values.items():
+            if key.startswith(("alpha_pos", "tau_sim")):
+                logged[f"val/{key}"] = v
+        if self.d2t is not None:
+            logged["val/vocab_coverage"] = self.val_coverage.compute()
+            self.val_coverage.reset()
+        self.log_dict({k: torch.as_tensor(v).float() for k, v in logged.items()}, sync_dist=False)
+        if not self.trainer.sanity_checking:
+            self.val_history.append({"step": self.global_step, **{k: float(v) for k, v in logged.items()}})

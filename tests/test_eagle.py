@@ -1,0 +1,256 @@
+"""EAGLE heads: alignment, training-time test against drafting, lossless chain/static/dynamic trees, export."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.verifier import TargetVerifier
+from specdistill.models.eagle import (
+    EagleConfig,
+    EagleHead,
+    build_eagle,
+    load_eagle,
+    load_eagle3_layout,
+    save_eagle,
+)
+from specdistill.models.hidden import HiddenTap
+from specdistill.models.vocab import target_to_draft
+from specdistill.stages import train as train_stage
+from specdistill.training.eagle import EagleModule, step_pairs, unroll
+from specdistill.training.losses import build_loss
+
+from .conftest import make_model
+from .test_decoding import PROMPTS, V, chi2_p, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
+from .test_medusa import FeatureBigramVerifier
+from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
+
+LAYERS = {"eagle1": [2], "eagle3": [0, 1, 2]}  # the tiny target has 2 layers
+
+
+@pytest.fixture(scope="module")
+def target(tiny_tokenizer):
+    return make_model(len(tiny_tokenizer), seed=0)
+
+
+def random_head(target, variant, d2t=None, seed=0, scale=0.2):
+    head = build_eagle(target, variant, LAYERS[variant], d2t, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+    return head.eval()
+
+
+def target_features(target, ids, layers):
+    with HiddenTap(target, layers) as tap, torch.no_grad():
+        target(input_ids=ids)
+    return tap.concat()
+
+
+# --- alignment --------------------------------------------------------------------------------------
+
+def test_step0_at_t_reads_h_t_and_x_t1_and_is_scored_at_t_plus_1(target, monkeypatch):
+    T = 12
+    ids = torch.arange(10, 10 + T)[None]
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[0, 4:T - 1] = True
+    labels = torch.where(mask, torch.roll(ids, -1, dims=1), -100)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask, "labels": labels}
+    head = random_head(target, "eagle3")
+    module = EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)
+    seen = []
+    step = head.step
+    monkeypatch.setattr(head, "step", lambda h, tok, pos, m, c: seen.append((h, tok, pos)) or step(h, tok, pos, m, c))
+    with torch.no_grad():
+        logits = target(input_ids=ids).logits[0]
+        feats = target_features(target, ids, LAYERS["eagle3"])
+        rows = list(module._steps(batch, 2, 0.0))
+    h0, tok0, pos0 = seen[0]
+    torch.testing.assert_close(h0, head.features_in(feats))  # anchor t reads h_t ...
+    assert tok0[0, :T - 1].tolist() == ids[0, 1:].tolist() and pos0[0].tolist() == list(range(T))  # ... and x_{t+1}
+    for i, anchors, _, t_logits, y, *_ in rows:
+        expect = [t for t in range(T - i - 1) if mask[0, t + i + 1]]
+        assert anchors[0].nonzero().flatten().tolist() == expect
+        for r, t in enumerate(expect):
+            torch.testing.assert_close(t_logits[r], logits[t + i + 1].float())  # the target at t+i+1
+            assert int(y[r]) == 10 + t + i + 2  # which predicts x_{t+i+2}
+    assert seen[1][1][0, 0] == ids[0, 2] and seen[1][2][0, 0] == 1  # step 1: x_{t+2}, position t+1
+
+
+def test_step_pairs_stay_inside_the_rows():
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    anchors, scored = step_pairs(mask, 1)
+    assert anchors[0].nonzero().flatten().tolist() == [0, 1] and scored[0].nonzero().flatten().tolist() == [2, 3]
+
+
+def test_d2t_t2d_round_trip():
+    d2t = torch.tensor([0, 3, 4, 9, 17])
+    t2d = target_to_draft(d2t, 20)
+    assert torch.equal(t2d[d2t], torch.arange(5)) and int((t2d >= 0).sum()) == 5
+
+
+# --- training-time test equals drafting ---------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_unrolled_training_time_test_equals_step_by_step_drafting(target, variant):
+    """Step i of the parallel unroll at anchor t = the proposer's cache-based drafting from the same
+    committed context, fed the same tokens: masks, positions and state hand-over agree."""
+    torch.manual_seed(0)
+    head = random_head(target, variant, torch.arange(0, target.config.vocab_size, 3))
+    ids = torch.randint(3, target.config.vocab_size, (1, 16))
+    feats = target_features(target, ids, LAYERS[variant])
+    steps = 3
+    with torch.no_grad():
+        outs = unroll(head, feats, ids, torch.ones_like(ids), steps)
+    for t in (0, 5, 11):
+        proposer = EagleProposer(head, EagleTreeConfig(shape="chain", k=steps), capacity=64)
+        context = ids[0, :t + 2].tolist()  # committed x_0..x_{t+1}; the anchor is t
+        with torch.no_grad():
+            proposer._catch_up(context, feats[0, :t + 1])
+            torch.testing.assert_close(proposer.anchor_logits, proposer._full(outs[0][1][0, t]), atol=1e-4, rtol=1e-4)
+            state = proposer.anchor_out
+            for i in range(1, steps):
+                visible = torch.ones(1, t + 1 + i, dtype=torch.bool)
+                state, logits = proposer._run(state[None], [int(ids[0, t + i + 1])], [t + i], visible)
+                state = state[0]
+                torch.testing.assert_close(logits[0], proposer._full(outs[i][1][0, t]), atol=1e-4, rtol=1e-4)
+
+
+# --- decoding ---------------------------------------------------------------------------------------
+
+SHAPES = {"chain": EagleTreeConfig(shape="chain", k=4), "static": EagleTreeConfig(shape="static", branching=[3, 2, 1]),
+          "dynamic": EagleTreeConfig(shape="dynamic", depth=4, top_k=3, total_tokens=10)}
+
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_eagle_equals_plain_greedy(target, variant, shape):
+    head = random_head(target, variant, torch.arange(0, target.config.vocab_size, 2) if variant == "eagle3" else None)
+    proposer = EagleProposer(head, SHAPES[shape], capacity=128)
+    ver = TargetVerifier(target, capacity=128, feature_layers=proposer.feature_layers)
+    for prompt in PROMPTS:
+        res = speculative_generate(ver, proposer, prompt, 24, stops=set())
+        assert res.tokens == plain_greedy(target, prompt, 24), (prompt, shape)
+        if shape == "dynamic":
+            assert all(r.draft_len <= 10 for r in res.rounds)
+
+
+def test_a_head_that_agrees_with_the_target_is_fully_accepted(tiny_tokenizer):
+    """Not vacuous: a target whose greedy output is always token 0 (zero LM-head weights, a bias on 0)
+    and an eagle1 head whose copy of the head scores every token 0 (argmax: token 0) agree at every
+    depth, so every round accepts the whole chain: tau = 1 + k."""
+    target = make_model(len(tiny_tokenizer), seed=0)
+    head_layer = torch.nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head_layer.weight.zero_()
+        head_layer.bias.zero_()
+        head_layer.bias[0] = 10.0
+    target.lm_head = head_layer
+    head = build_eagle(target, "eagle1", [2])  # copies the zero weights: its logits are all 0 -> argmax 0
+    proposer = EagleProposer(head.eval(), EagleTreeConfig(shape="chain", k=3), capacity=128)
+    ver = TargetVerifier(target, capacity=128, feature_layers=proposer.feature_layers)
+    res = speculative_generate(ver, proposer, PROMPTS[0], 17, stops=set())
+    assert res.tokens == [0] * 17 == plain_greedy(target, PROMPTS[0], 17)
+    assert [r.accepted for r in res.rounds] == [3, 3, 3, 3] and res.tau == 17 / 5
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_dynamic_tree_sampling_is_lossless():
+    """Temperature 1, EAGLE-2 dynamic tree on a bigram target whose 'state' of a token is its one-hot vector."""
+    table, _ = tables()
+    cfg = EagleConfig(variant="eagle1", hidden_size=V, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=4, vocab_size=V, feature_layers=[1], max_position_embeddings=64)
+    g = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(V, V)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(V, V, generator=g))
+    head = EagleHead(cfg, embed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    proposer = EagleProposer(head.eval(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=4), capacity=16)
+    ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
+    draws = np.array([speculative_generate(ver, proposer, [0], 3, set(), sampling, gen).tokens for _ in range(20_000)])
+    exact = exact_marginals(table, table[0], sampling, 3)
+    for pos in (1, 2):
+        assert chi2_p(draws[:, pos], exact[pos]) > 1e-3, pos
+
+
+# --- saving, export, training -------------------------------------------------------------------------
+
+def test_save_load_and_eagle3_export(tmp_path, target):
+    d2t = torch.tensor([0, 2, 3, 7, 11, 40])
+    head = random_head(target, "eagle3", d2t)
+    head.cfg.target_fingerprint = "abc"
+    save_eagle(head, tmp_path / "e")
+    back = load_eagle(tmp_path / "e", target, target_fingerprint="abc")
+    ids = torch.randint(3, 300, (1, 7))
+    feats = target_features(target, ids, LAYERS["eagle3"])
+    with torch.no_grad():
+        a, b = unroll(head, feats, ids, torch.ones_like(ids), 2), unroll(back, feats, ids, torch.ones_like(ids), 2)
+    torch.testing.assert_close(a[1][1], b[1][1])
+    config, state = load_eagle3_layout(tmp_path / "e/eagle3")
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 6
+    assert torch.equal(state["d2t"], d2t) and int(state["t2d"].sum()) == 6 and bool(state["t2d"][40])
+    h = config["hidden_size"]
+    assert state["fc.weight"].shape == (h, 3 * h) and state["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert state["lm_head.weight"].shape == (6, h) and not any("embed" in k for k in state)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # not the default: named
+    with pytest.raises(ValueError, match="retrain"):
+        load_eagle(tmp_path / "e", target, target_fingerprint="other")
+
+
+@pytest.mark.parametrize(("method", "loss", "vocab"), [("eagle", "fkl", "128"), ("eagle", "jsd", "null"),
+                                                       ("eagle1", "fkl", "128"), ("eagle", "ce", "128")])
+def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, vocab):  # noqa: F811
+    layers = "[2]" if method == "eagle1" else "[0,1,2]"
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, f"method={method}", f"loss={loss}",
+                              "+trainer.fast_dev_run=2", f"methods.{method}.vocab_size={vocab}",
+                              f"methods.{method}.feature_layers={layers}"))
+    res = train_stage.run(cfg)
+    final = res["final"]
+    assert 0 < final["val/alpha"] <= 1 and 1 <= final["val/tau_sim"] <= 5 and "val/alpha_pos3_t0" in final
+    assert ("val/vocab_coverage" in final) == (vocab == "128")
+    from transformers import AutoModelForCausalLM
+
+    head = load_eagle(tmp_path / f"models/{method}", AutoModelForCausalLM.from_pretrained(tiny_target_dir))
+    assert head.cfg.variant == ("eagle1" if method == "eagle1" else "eagle3")
+    assert (tmp_path / f"models/{method}/eagle3/config.json").exists() == (method == "eagle")
+    assert json.loads((tmp_path / f"metrics/train_{method}.json").read_text())["settings"]["method"]["variant"]
+
+
+def test_evaluate_stage_runs_eagle(tmp_path, tiny_target_dir, monkeypatch):
+    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.stages import evaluate as evaluate_stage
+    from specdistill.stages.common import ConfigError
+    from specdistill.stages.prepare import save_split
+
+    rows = [{"id": "0", "messages": [{"role": "user", "content": "Write a poem."}], "source": "mtbench", "category": "x",
+             "reference": "", "turns": ["Write a poem.", "Shorter."], "prompt": "", "prompt_tokens": 1}]
+    save_split(rows, tmp_path / "prompts/mtbench")
+    loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
+    head = random_head(loaded.model, "eagle3", torch.arange(100))
+    head.cfg.target_fingerprint = loaded.fingerprint
+    save_eagle(head, tmp_path / "models/eagle")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
+           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+           "eval": {"method": "eagle", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
+                    "temperatures": [0.0, 1.0], "eagle_path": str(tmp_path / "models/eagle"),
+                    "eagle_tree": {"shape": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}}}
+    metrics = evaluate_stage.run(cfg)
+    assert {"ar", "spec"} <= set(metrics["results"]["mtbench"]["T0"])
+    assert metrics["settings"]["eagle_variant"] == "eagle3" and metrics["settings"]["eagle_tree"]["total_tokens"] == 5
+    samples = [json.loads(x) for x in (tmp_path / "plots/eagle/samples.jsonl").read_text().splitlines()]
+    t0 = {(s["turn"], s["method"]): s["text"] for s in samples if s["temperature"] == 0.0}
+    assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
+    cfg["eval"]["eagle_tree"] = {"shape": "bush"}
+    with pytest.raises(ConfigError, match="eagle_tree"):
+        evaluate_stage.run(cfg)
