@@ -66,8 +66,8 @@ def test_step0_at_t_reads_h_t_and_x_t1_and_is_scored_at_t_plus_1(target, monkeyp
     head = random_head(target, "eagle3")
     module = EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)
     seen = []
-    step = head.step
-    monkeypatch.setattr(head, "step", lambda h, tok, pos, m, c: seen.append((h, tok, pos)) or step(h, tok, pos, m, c))
+    advance = head.advance
+    monkeypatch.setattr(head, "advance", lambda h, tok, pos, m, c: seen.append((h, tok, pos)) or advance(h, tok, pos, m, c))
     with torch.no_grad():
         logits = target(input_ids=ids).logits[0]
         feats = target_features(target, ids, LAYERS["eagle3"])
@@ -114,13 +114,13 @@ def test_unrolled_training_time_test_equals_step_by_step_drafting(target, varian
         context = ids[0, :t + 2].tolist()  # committed x_0..x_{t+1}; the anchor is t
         with torch.no_grad():
             proposer._catch_up(context, feats[0, :t + 1])
-            torch.testing.assert_close(proposer.anchor_logits, proposer._full(outs[0][1][0, t]), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(proposer.anchor_logits, proposer._full(head.logits(outs[0][0, t])), atol=1e-4, rtol=1e-4)
             state = proposer.anchor_out
             for i in range(1, steps):
                 visible = torch.ones(1, t + 1 + i, dtype=torch.bool)
                 state, logits = proposer._run(state[None], [int(ids[0, t + i + 1])], [t + i], visible)
                 state = state[0]
-                torch.testing.assert_close(logits[0], proposer._full(outs[i][1][0, t]), atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(logits[0], proposer._full(head.logits(outs[i][0, t])), atol=1e-4, rtol=1e-4)
 
 
 # --- decoding ---------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_save_load_and_eagle3_export(tmp_path, target):
     feats = target_features(target, ids, LAYERS["eagle3"])
     with torch.no_grad():
         a, b = unroll(head, feats, ids, torch.ones_like(ids), 2), unroll(back, feats, ids, torch.ones_like(ids), 2)
-    torch.testing.assert_close(a[1][1], b[1][1])
+    torch.testing.assert_close(head.logits(a[1]), back.logits(b[1]))
     config, state = load_eagle3_layout(tmp_path / "e/eagle3")
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 6
     assert torch.equal(state["d2t"], d2t) and int(state["t2d"].sum()) == 6 and bool(state["t2d"][40])

@@ -164,9 +164,17 @@ class EagleHead(nn.Module):
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
              cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step on [B, T]: (the predicted state [B, T, H] that feeds the next step, logits [B, T, N])."""
+        out = self.advance(hidden, tokens, position_ids, mask, cache)
+        return out, self.logits(out)
+
+    def advance(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                cache: Any) -> torch.Tensor:
+        """The predicted states only (training scores the few anchors that count, not every position)."""
         embeds = self.embed(tokens).to(hidden.dtype)
-        out = self.midlayer(hidden, embeds, self.rotary(hidden, position_ids), mask, cache)
-        return out, self.lm_head(self.norm(out))
+        return self.midlayer(hidden, embeds, self.rotary(hidden, position_ids), mask, cache)
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(states))
 
 
 def build_eagle(target: Any, variant: str, feature_layers: list[int], d2t: torch.Tensor | None = None,

@@ -73,8 +73,9 @@ def ttt_mask(attention_mask: torch.Tensor, step: int, dtype: torch.dtype) -> tor
 
 
 def unroll(head: EagleHead, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-           steps: int, noise: float = 0.0, generator: torch.Generator | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(state [B, T, H], logits [B, T, N]) of steps 0..steps-1 at every anchor, all anchors in parallel."""
+           steps: int, noise: float = 0.0, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """The predicted states [B, T, H] of steps 0..steps-1 at every anchor, all anchors in parallel
+    (`head.logits(state)` gives a step's distribution: training takes it at the scored anchors only)."""
     b, t = input_ids.shape
     hidden = head.features_in(features)
     if noise > 0:
@@ -85,9 +86,8 @@ def unroll(head: EagleHead, features: torch.Tensor, input_ids: torch.Tensor, att
     for i in range(steps):
         tokens = torch.nn.functional.pad(input_ids[:, i + 1:], (0, i + 1))  # x_{t+i+1} at anchor t (0 past the end)
         mask = ttt_mask(attention_mask, i, hidden.dtype if hidden.is_floating_point() else torch.float32)
-        out, logits = head.step(hidden, tokens, positions + i, mask, cache)
-        outs.append((out, logits))
-        hidden = out
+        hidden = head.advance(hidden, tokens, positions + i, mask, cache)
+        outs.append(hidden)
     return outs
 
 
@@ -120,9 +120,10 @@ class EagleModule(DistillModule):
         features, teacher = self._target_pass(batch)
         row = mask.flatten().cumsum(0).view_as(mask) - 1
         outs = unroll(self.head, features, batch["input_ids"], batch["attention_mask"], steps, noise)
-        for i, (out, logits) in enumerate(outs):
+        for i, out in enumerate(outs):
             anchors, scored = step_pairs(mask, i)
-            yield i, anchors, logits[anchors].float(), teacher[row[scored]], batch["labels"][scored], out, features, scored
+            yield (i, anchors, self.head.logits(out[anchors]).float(), teacher[row[scored]], batch["labels"][scored], out,
+                   features, scored)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
