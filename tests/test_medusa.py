@@ -248,6 +248,11 @@ def test_evaluate_stage_runs_medusa(tmp_path, tiny_target_dir, tiny_tokenizer, m
     samples = [json.loads(x) for x in (tmp_path / "plots/medusa/samples.jsonl").read_text().splitlines()]
     t0 = {(s["turn"], s["method"]): s["text"] for s in samples if s["temperature"] == 0.0}
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]  # lossless at T=0, both turns
-    cfg["eval"]["medusa_budget"] = 16
+    cfg["eval"]["medusa_budget"] = 16  # not saved, and no accuracies to grow it from
     with pytest.raises(ValueError, match="medusa_budget"):
         evaluate_stage.run(cfg)
+    trees = json.loads((tmp_path / "models/medusa/tree.json").read_text())
+    trees["acc"] = [[0.5, 0.2], [0.4, 0.1], [0.3, 0.1]]
+    (tmp_path / "models/medusa/tree.json").write_text(json.dumps(trees))
+    cfg["eval"]["medusa_budget"] = 5  # grown from the saved accuracies
+    assert evaluate_stage.run(cfg)["settings"]["tree_nodes"] == 5

@@ -17,7 +17,7 @@ import datasets
 
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-from specdistill.decoding.medusa import MedusaProposer, sort_choices
+from specdistill.decoding.medusa import MedusaProposer, grow_tree, sort_choices
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
 from specdistill.io import atomic_path, write_json
@@ -80,14 +80,18 @@ def draft_training(path: str | None) -> dict[str, Any] | None:
 
 
 def medusa_choices(ecfg: EvalConfig) -> list[tuple[int, ...]]:
-    """The Medusa tree to verify: explicit choices, or the saved tree with `medusa_budget` nodes."""
+    """The Medusa tree to verify: explicit choices, the saved tree of `medusa_budget` nodes, or one grown
+    to that budget from the per-rank accuracies saved beside the heads."""
     if ecfg.medusa_choices:
         return sort_choices(ecfg.medusa_choices)
-    trees = load_trees(ecfg.medusa_path)["trees"]
-    if str(ecfg.medusa_budget) not in trees:
-        raise ConfigError(f"eval.medusa_budget={ecfg.medusa_budget}: {ecfg.medusa_path} has trees of "
-                          f"{sorted(int(b) for b in trees)} nodes (methods.medusa.tree_budgets), or give eval.medusa_choices")
-    return sort_choices(trees[str(ecfg.medusa_budget)]["choices"])
+    saved = load_trees(ecfg.medusa_path)
+    if str(ecfg.medusa_budget) in saved["trees"]:
+        return sort_choices(saved["trees"][str(ecfg.medusa_budget)]["choices"])
+    if "acc" in saved:
+        return grow_tree(saved["acc"], ecfg.medusa_budget)
+    raise ConfigError(f"eval.medusa_budget={ecfg.medusa_budget}: {ecfg.medusa_path} has trees of "
+                      f"{sorted(int(b) for b in saved['trees'])} nodes and no accuracies to grow another; "
+                      "give eval.medusa_choices")
 
 
 def load_conversations(prompts_dir: Path, name: str, n: int) -> list[Conversation]:
@@ -150,7 +154,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         n_params, n_bytes = parameter_bytes(heads, model.dtype)
         draft_info = {"draft": ecfg.medusa_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
                       "draft_vocab": heads.cfg.draft_vocab_size or heads.cfg.vocab_size, "medusa_heads": heads.num_heads,
-                      "tree_nodes": len(choices), "draft_training": draft_training(ecfg.medusa_path)}
+                      "tree_nodes": len(choices), "medusa_choices": [list(c) for c in choices], "draft_training": draft_training(ecfg.medusa_path)}
         methods.append(ours("spec", MedusaProposer(heads, choices)))
     elif ecfg.method == "eagle":
         n_params, n_bytes = parameter_bytes(eagle.head, model.dtype)
