@@ -23,12 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdistill.decoding.loop import SamplingConfig
+from specdistill.decoding.loop import SamplingConfig, draft_token
 from specdistill.decoding.tree import DraftTree
 from specdistill.models.eagle import EagleHead
 from specdistill.models.kv_cache import PreallocatedCache
 from specdistill.models.vocab import to_target_logits
-from specdistill.sampling import sample, warp
 
 SHAPES = ("chain", "static", "dynamic")
 
@@ -120,13 +119,10 @@ class EagleProposer:
         out, logits = self.anchor_out, self.anchor_logits
         base = self.committed
         for d in range(1, k + 1):
-            if sampling.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-                tok = int(sample(q, generator))
-                qs.append(q)
+            tok, q = draft_token(logits, sampling, generator)
             tokens.append(tok)
+            if q is not None:
+                qs.append(q)
             if d < k:  # expand the new node: it sees the committed entries and the chain so far
                 visible = torch.ones(1, base + d, dtype=torch.bool)
                 out, lg = self._run(out[None], [tok], [base - 1 + d], visible)

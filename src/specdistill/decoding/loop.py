@@ -15,7 +15,7 @@ import torch
 
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verify import verify_greedy, verify_sampling
-from specdistill.sampling import sample_logits, warp
+from specdistill.sampling import sample, sample_logits, warp
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,16 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+
+def draft_token(logits: torch.Tensor, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """A chain proposer's next token: the argmax at temperature 0, else a sample from the warped
+    distribution q, which the verifier needs (returned) for the acceptance rule."""
+    if sampling.greedy:
+        return int(logits.argmax()), None
+    q = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+    return int(sample(q, generator)), q
 
 
 class Proposer(Protocol):

@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from specdistill.decoding.loop import SamplingConfig
+from specdistill.decoding.loop import SamplingConfig, draft_token
 from specdistill.decoding.tree import DraftTree, tree_attention
 from specdistill.models.kv_cache import PreallocatedCache
 from specdistill.models.vocab import to_target_logits
-from specdistill.sampling import sample, warp
 
 
 class DraftLMProposer:
@@ -77,13 +76,10 @@ class DraftLMProposer:
                generator: torch.Generator | None) -> DraftTree:
         tokens, qs = [], []
         for i in range(k):
-            if sampling.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-                tok = int(sample(q, generator))
-                qs.append(q)
+            tok, q = draft_token(logits, sampling, generator)
             tokens.append(tok)
+            if q is not None:
+                qs.append(q)
             if i + 1 < k:
                 logits = self._forward([tok])[-1]
         return DraftTree.chain(tokens, torch.stack(qs) if qs else None)

@@ -42,8 +42,9 @@ def chain_sums(a: torch.Tensor, mask: torch.Tensor, max_k: int) -> torch.Tensor:
     return torch.stack(sums)
 
 
-class AcceptanceMetric(Metric):
-    """val/alpha, val/alpha_pos{k}, val/tau_sim{K} at temperature 1, and their temperature-0 twins."""
+class ChainSums(Metric):
+    """The chain sums S_0..S_max_k at temperature 1 and 0 (summed across ranks) and what follows from them:
+    alpha_pos{k} = S_k / S_{k-1} and tau_sim{K} = 1 + sum_{k<=K} S_k / S_0 (`_t0` at temperature 0)."""
 
     full_state_update = False
     higher_is_better = True
@@ -53,6 +54,22 @@ class AcceptanceMetric(Metric):
         self.max_k = max_k
         self.add_state("sums_t1", torch.zeros(max_k + 1, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("sums_t0", torch.zeros(max_k + 1, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def chain_values(self) -> dict[str, torch.Tensor]:
+        n = self.sums_t1[0].clamp(min=1)
+        out = {"tokens": self.sums_t1[0]}
+        for tag, sums in (("", self.sums_t1), ("_t0", self.sums_t0)):
+            for k in range(1, self.max_k + 1):
+                out[f"alpha_pos{k}{tag}"] = sums[k] / sums[k - 1].clamp(min=1e-12)
+                out[f"tau_sim{k}{tag}"] = 1 + sums[1:k + 1].sum() / n
+        return out
+
+
+class AcceptanceMetric(ChainSums):
+    """val/alpha, val/alpha_pos{k}, val/tau_sim{K} at temperature 1, and their temperature-0 twins."""
+
+    def __init__(self, max_k: int = 8, **kwargs):
+        super().__init__(max_k, **kwargs)
         self.add_state("alpha", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("greedy", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
@@ -69,12 +86,7 @@ class AcceptanceMetric(Metric):
 
     def compute(self) -> dict[str, torch.Tensor]:
         n = self.sums_t1[0].clamp(min=1)
-        out = {"alpha": self.alpha / n, "alpha_t0": self.greedy / n, "tokens": self.sums_t1[0]}
-        for tag, sums in (("", self.sums_t1), ("_t0", self.sums_t0)):
-            for k in range(1, self.max_k + 1):
-                out[f"alpha_pos{k}{tag}"] = sums[k] / sums[k - 1].clamp(min=1e-12)
-                out[f"tau_sim{k}{tag}"] = 1 + sums[1:k + 1].sum() / n
-        return out
+        return {"alpha": self.alpha / n, "alpha_t0": self.greedy / n, **self.chain_values()}
 
 
 class HeadAccuracy(Metric):
@@ -120,7 +132,7 @@ class HeadAccuracy(Metric):
         return out
 
 
-class UnrolledAcceptance(Metric):
+class UnrolledAcceptance(ChainSums):
     """Acceptance of a head unrolled on its own predictions (EAGLE), from per-step grids.
 
     Step k's grid [B, T] holds, at every anchor t where step k is scored, alpha = sum min(p, q)
@@ -128,15 +140,6 @@ class UnrolledAcceptance(Metric):
     first draft, 0 elsewhere. As in `AcceptanceMetric`, S_k = sum over anchors of prod_{j<k} a_j and
     alpha_pos{k} = S_k / S_{k-1}, tau_sim(K) = 1 + sum_{k<=K} S_k / S_0; summed across ranks.
     """
-
-    full_state_update = False
-    higher_is_better = True
-
-    def __init__(self, max_k: int = 8, **kwargs):
-        super().__init__(**kwargs)
-        self.max_k = max_k
-        self.add_state("sums_t1", torch.zeros(max_k + 1, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("sums_t0", torch.zeros(max_k + 1, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, alpha_steps: list[torch.Tensor], greedy_steps: list[torch.Tensor], start: torch.Tensor) -> None:
         for sums, grids in ((self.sums_t1, alpha_steps), (self.sums_t0, greedy_steps)):
@@ -147,11 +150,6 @@ class UnrolledAcceptance(Metric):
                 sums[k] += prod.sum()
 
     def compute(self) -> dict[str, torch.Tensor]:
-        n = self.sums_t1[0].clamp(min=1)
-        out = {"tokens": self.sums_t1[0]}
-        for tag, sums in (("", self.sums_t1), ("_t0", self.sums_t0)):
-            for k in range(1, self.max_k + 1):
-                out[f"alpha_pos{k}{tag}"] = sums[k] / sums[k - 1].clamp(min=1e-12)
-                out[f"tau_sim{k}{tag}"] = 1 + sums[1:k + 1].sum() / n
+        out = self.chain_values()
         out["alpha"], out["alpha_t0"] = out["alpha_pos1"], out["alpha_pos1_t0"]
         return out
