@@ -48,6 +48,9 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     loss = section(LossConfig, cfg["loss"], "loss")
     build_loss(loss.name, loss.temperature, **loss.params)
     section(DataConfig, section(DistillConfig, cfg["distill"], "distill").data, "distill.data")
+    from specdistill.online.policy import OnlineConfig
+
+    section(OnlineConfig, cfg["online"], "online")
     assert cfg["trainer"]["max_steps"] > 0 and cfg["method"] in cfg["methods"]
 
 

@@ -92,3 +92,24 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     assert "27 candidate sequences and 39 tree tokens" in text and "the chosen tree spends 4 tokens" in text
     assert "| Medusa heads | 20.0M | 38 MiB |" in text and "| separate draft `draft` | 35.4M |" in text
     assert "| eagle | EAGLE head (eagle3, 1 layer, TTT 3) |" in text and "| 0.883 |" in text
+
+
+def test_report_has_the_online_table_and_curve(tmp_path, monkeypatch):
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/draft.json").write_text(json.dumps(metrics("draft", [0.8, 0.5], 2.1)))
+    part = lambda f, o: {"frozen": {"requests": 2, "acceptance_rate": f, "tau": 1.2},  # noqa: E731
+                         "online": {"requests": 2, "acceptance_rate": o, "tau": 1.4}, "gain": round(o - f, 4)}
+    online = {"method": "draft", "scenario": "code", "stream": part(0.2, 0.25), "held_out": part(0.21, 0.33),
+              "updates": [{"request": 2}], "stopped_at": None, "settings": {"window": 2},
+              "time": {"serve_s": 10.0, "update_s": 1.0, "update_share": 0.0909}}
+    (tmp_path / "metrics/online_draft.json").write_text(json.dumps(online))
+    (tmp_path / "plots/online_draft").mkdir(parents=True)
+    (tmp_path / "plots/online_draft/curve.csv").write_text(
+        "request,frozen,online,frozen_window,online_window,version\n0,0.2,0.2,0.2,0.2,0\n1,0.2,0.3,0.2,0.25,1\n"
+        "2,0.21,0.33,0.205,0.315,1\n3,0.21,0.33,0.21,0.33,1\n")
+    monkeypatch.chdir(tmp_path)
+    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
+    text = (tmp_path / "reports/README.md").read_text()
+    assert "| online_draft | code | held out | 2 | 0.210 | 0.330 | +0.120 | 1.20 | 1.40 |" in text
+    assert "| online_draft | 1 | – | 1.0 | 10.0 | 9.1% |" in text
+    assert (tmp_path / "reports/online_curves.png").read_bytes()[:4] == b"\x89PNG"

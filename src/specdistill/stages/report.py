@@ -9,6 +9,7 @@ from typing import Any
 
 from specdistill.io import atomic_path
 from specdistill.reporting import figures, settings
+from specdistill.reporting.online import load_online, online_curves, online_tables
 from specdistill.reporting.tables import formula_check, results_table, time_split, tv_check
 from specdistill.reporting.training import (
     alpha_curves,
@@ -25,8 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def load_metrics(folder: Path) -> dict[str, dict[str, Any]]:
-    """The evaluate stages' metrics (train_*.json are the distillation runs', read by reporting.training)."""
-    files = [f for f in sorted(folder.glob("*.json")) if not f.stem.startswith("train_")]
+    """The evaluate stages' metrics (train_*.json and online_*.json are read by reporting.training / .online)."""
+    files = [f for f in sorted(folder.glob("*.json")) if not f.stem.startswith(("train_", "online_"))]
     if not files:
         raise FileNotFoundError(f"no metrics in {folder}: run the evaluate stages first (`dvc repro`)")
     return {f.stem: json.loads(f.read_text()) for f in files}
@@ -53,7 +54,8 @@ def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[st
     return lines
 
 
-def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None) -> str:
+def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
+           online: list[str] | None = None) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     lines = [f"# Results: experiment `{experiment}`", "",
@@ -71,6 +73,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
             lines += [f"## {dataset}, temperature {temp[1:]}", "", *results_table(all_metrics, dataset, temp), ""]
     lines += ["## Where the time goes", "", *time_split(all_metrics), ""]
     lines += training or []
+    lines += online or []
     lines += ["## The background text's eq. 2 against measurement", "",
               "Expected tokens per target forward from measured acceptance: with the measured alpha_k chained, with",
               "alpha_pos1 alone (the truncated geometric sum), and its K → ∞ limit 1/(1-alpha), beside measured tau.",
@@ -91,11 +94,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     metrics_dir, out = Path(cfg["paths"].get("metrics_dir", "metrics")), Path(cfg["paths"].get("reports_dir", "reports"))
     all_metrics = load_metrics(metrics_dir)
     runs, sweep = load_training(metrics_dir)
-    curves = load_curves(Path(cfg["paths"].get("plots_dir", "plots")), list(runs))
+    plots_dir = Path(cfg["paths"].get("plots_dir", "plots"))
+    curves = load_curves(plots_dir, list(runs))
+    online = load_online(metrics_dir, plots_dir)
     experiment = cfg.get("experiment_name", "default")
     with wandb_run(cfg.get("logger"), job_type="report", group=experiment, config=cfg) as run_:
         with atomic_path(out, is_dir=True) as tmp:
-            (tmp / "README.md").write_text(render(all_metrics, experiment, render_training(runs, sweep, curves, all_metrics)))
+            (tmp / "README.md").write_text(render(all_metrics, experiment, render_training(runs, sweep, curves, all_metrics),
+                                                  online_tables(online)))
+            if online:
+                online_curves(online, tmp / "online_curves.png")
             if curves:
                 alpha_curves(curves, tmp / "alpha_curves.png")
             figures.acceptance_by_position(all_metrics, tmp / "acceptance_by_position.png")

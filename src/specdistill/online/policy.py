@@ -1,0 +1,73 @@
+"""When to update the draft while serving, and when to stop (conf/online/)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OnlineConfig:
+    method: str = "draft"  # draft (models/draft) | eagle (models/eagle)
+    scenario: str = "code"  # code: a ShareGPT-distilled draft serves HumanEval | chat: held-out ShareGPT prompts
+    draft_path: str | None = None  # the offline draft; null: models/<method>
+    requests: int = 64  # the stream served while learning
+    held_out: int = 24  # requests measured afterwards by the frozen and the online draft
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    k: int = 2  # draft chain length (method=draft)
+    eagle_tree: dict = field(default_factory=lambda: {"shape": "chain", "k": 3})
+    update_every: int = 8  # requests between updates ...
+    min_rejected: int = 0  # ... or as soon as the buffer holds this many rejected positions (0: off)
+    steps: int = 4  # optimizer steps per update
+    batch_size: int = 4  # requests per step
+    lr: float = 1e-4
+    loss: str = "fkl"  # divergence against the target's stored top-k (fkl | topk_kl | ce)
+    topk: int = 256  # target log-probs kept per judged position
+    replay_accepted: float = 0.25  # fraction of accepted positions trained on beside every rejected one
+    buffer_tokens: int = 32_768  # buffer size (tokens of the kept requests)
+    window: int = 16  # requests in the moving acceptance window
+    patience: int = 3  # updates without a gain of `epsilon` in the window before updating stops
+    epsilon: float = 0.005
+    save_every: int = 1  # keep every N-th deployed version (safetensors, with its request count)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("draft", "eagle"):
+            raise ValueError(f"online.method={self.method!r}: use draft or eagle")
+        if self.scenario not in ("code", "chat"):
+            raise ValueError(f"online.scenario={self.scenario!r}: use code or chat")
+        if min(self.requests, self.update_every, self.steps, self.batch_size, self.window, self.patience) < 1:
+            raise ValueError("online requests, update_every, steps, batch_size, window and patience must be >= 1")
+        if not 0 <= self.replay_accepted <= 1:
+            raise ValueError(f"online.replay_accepted={self.replay_accepted} must be in [0, 1]")
+
+
+class StoppingRule:
+    """Stop updating once `patience` updates in a row have not raised the moving-window acceptance by
+    `epsilon` over the best window seen: the draft has learnt what this traffic teaches."""
+
+    def __init__(self, window: int, patience: int, epsilon: float):
+        self.rates: deque[float] = deque(maxlen=window)
+        self.patience, self.epsilon = patience, epsilon
+        self.best = float("-inf")
+        self.stale = 0
+        self.stopped = False
+
+    def observe(self, rate: float) -> None:
+        self.rates.append(rate)
+
+    @property
+    def current(self) -> float:
+        return sum(self.rates) / len(self.rates) if self.rates else 0.0
+
+    def should_update(self) -> bool:
+        """Called when an update is due; False once stopped."""
+        if self.stopped:
+            return False
+        if self.current > self.best + self.epsilon:
+            self.best, self.stale = self.current, 0
+        else:
+            self.stale += 1
+            self.stopped = self.stale >= self.patience
+        return not self.stopped

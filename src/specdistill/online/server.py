@@ -1,0 +1,150 @@
+"""The serving loop: answer each request with the speculative decoder (batch size 1), keep what the
+verifier judged, and keep distilling the draft on its rejections while it serves.
+
+The optimizer steps run through Lightning Fabric on the same Lightning module that trained the draft
+offline (`training/draft.py`, `training/eagle.py`), so the update uses the offline loss code:
+the separate draft learns from the target's stored top-k at the judged positions (no target
+forward), an EAGLE head from a live target pass over the buffered requests (it needs their states).
+The student trains in float32 and is deployed into the serving copy (the target's dtype) after each
+update: the updated draft serves the next request; every `save_every`-th deployed version is saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.online.buffer import RejectionBuffer
+from specdistill.online.policy import OnlineConfig, StoppingRule
+from specdistill.online.recorder import RecordingVerifier, RequestRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Served:
+    """One request's outcome, one row of the curve."""
+
+    request: int
+    tokens: int
+    rounds: int
+    accepted: int
+    judged: int
+    tau: float
+    seconds: float
+    version: int  # updates applied before this request
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.judged if self.judged else 0.0
+
+
+@dataclass
+class Update:
+    request: int  # after this many requests
+    seconds: float
+    loss: float
+    positions: int
+    buffer_requests: int
+    buffer_rejected: int
+
+
+@dataclass
+class OnlineLog:
+    served: list[Served] = field(default_factory=list)
+    updates: list[Update] = field(default_factory=list)
+    stopped_at: int | None = None
+
+
+class OnlineDistiller:
+    """Serves requests with `proposer` against `verifier`, updating `module`'s student in place."""
+
+    def __init__(self, module: Any, proposer: Any, verifier: Any, cfg: OnlineConfig, stops: set[int], pad_id: int,
+                 learn: bool = True, deploy: Callable[[], None] | None = None,
+                 save: Callable[[Path, int], None] | None = None, save_dir: Path | None = None):
+        from lightning.fabric import Fabric
+
+        self.cfg, self.stops, self.pad_id, self.learn = cfg, stops, pad_id, learn
+        self.proposer = proposer
+        self.verifier = RecordingVerifier(verifier, topk=cfg.topk)
+        self.buffer = RejectionBuffer(cfg.buffer_tokens)
+        self.rule = StoppingRule(cfg.window, cfg.patience, cfg.epsilon)
+        self.sampling = SamplingConfig(cfg.temperature)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.log = OnlineLog()
+        self.save, self.save_dir = save, save_dir
+        self.deploy = deploy  # copies the trained (float32) weights into the serving copy
+        self.version = 0
+        self.module = module
+        if learn:
+            self.fabric = Fabric(accelerator="cpu" if module.device.type == "cpu" else "auto", devices=1)
+            params = module.student_parameters()
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+            # Fabric routes the module's self.log calls and owns backward (precision, devices); the module is the
+            # offline one, so its training_step is the offline loss
+            _, self.optimizer = self.fabric.setup(module, self.optimizer, move_to_device=False)
+        self._since_update = 0
+
+    def serve(self, prompt: list[int]) -> tuple[list[int], RequestRecord]:
+        t0 = time.perf_counter()
+        res = speculative_generate(self.verifier, self.proposer, prompt, self.cfg.max_new_tokens, self.stops,
+                                   self.sampling, self.generator)
+        seconds = time.perf_counter() - t0
+        record = self.verifier.record.finish(res.tokens)
+        self.log.served.append(Served(len(self.log.served), len(res.tokens), len(res.rounds), record.num_accepted,
+                                      len(record.accepted), res.tau, seconds, self.version))
+        self.rule.observe(record.acceptance_rate)
+        if self.learn:
+            self.buffer.add(record)
+            self._since_update += 1
+            if self._due() and self.rule.should_update():
+                self.update()
+            elif self.rule.stopped and self.log.stopped_at is None:
+                self.log.stopped_at = len(self.log.served)
+                log.info("online: acceptance has not improved for %d updates, stopped updating after %d requests",
+                         self.cfg.patience, self.log.stopped_at)
+        return res.tokens, record
+
+    def _due(self) -> bool:
+        by_count = self._since_update >= self.cfg.update_every
+        by_rejections = self.cfg.min_rejected > 0 and self.buffer.rejected >= self.cfg.min_rejected
+        return by_count or by_rejections
+
+    def update(self) -> Update | None:
+        """A few optimizer steps on buffered batches; the next request is served by the updated draft."""
+        self._since_update = 0
+        t0 = time.perf_counter()
+        losses, positions = [], 0
+        self.module.train()
+        for _ in range(self.cfg.steps):
+            batch = self.buffer.batch(self.cfg.batch_size, self.cfg.replay_accepted, self.pad_id, self.generator)
+            if batch is None:
+                continue
+            batch = {k: v.to(self.module.device) for k, v in batch.items()}
+            loss = self.module.training_step(batch, 0)
+            self.optimizer.zero_grad()
+            self.fabric.backward(loss)
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+            positions += int(batch["loss_mask"].sum())
+        self.module.eval()
+        if not losses:
+            return None
+        self.version += 1
+        if self.deploy is not None:
+            self.deploy()  # the proposer's caches are rebuilt at the next request (the loop resets it)
+        up = Update(len(self.log.served), time.perf_counter() - t0, sum(losses) / len(losses), positions,
+                    len(self.buffer), self.buffer.rejected)
+        self.log.updates.append(up)
+        if self.save is not None and self.save_dir is not None and self.version % self.cfg.save_every == 0:
+            self.save(self.save_dir / f"v{self.version:03d}-r{up.request:04d}", up.request)
+        log.info("online update %d after %d requests: loss %.4f on %d positions, %.1f s", self.version, up.request,
+                 up.loss, positions, up.seconds)
+        return up

@@ -1,0 +1,66 @@
+"""The online-distillation part of the report: frozen vs online acceptance, the curve, the update cost."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+
+def load_online(metrics_dir: Path, plots_dir: Path) -> dict[str, tuple[dict[str, Any], list[dict[str, float]]]]:
+    out = {}
+    for f in sorted(metrics_dir.glob("online_*.json")):
+        curve = plots_dir / f.stem / "curve.csv"
+        rows = []
+        if curve.exists():
+            with open(curve) as fh:
+                rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+        out[f.stem] = (json.loads(f.read_text()), rows)
+    return out
+
+
+def online_tables(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]]) -> list[str]:
+    if not runs:
+        return []
+    lines = ["## Online speculative distillation", "",
+             "The offline draft serves a stream of requests and keeps distilling on the positions where its",
+             "tokens were rejected (the target's distribution there comes from the verification it already ran);",
+             "the same stream is served by the frozen draft. Held out: the next requests, served by the draft as",
+             "it stood after the stream and by the frozen draft. Acceptance rate = accepted / judged draft tokens.", "",
+             "| run | scenario | part | requests | frozen acceptance | online acceptance | gain | frozen tau | online tau |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, (m, _) in runs.items():
+        for part in ("stream", "held_out"):
+            p = m[part]
+            lines.append(f"| {name} | {m['scenario']} | {part.replace('_', ' ')} | {p['online']['requests']} | "
+                         f"{p['frozen']['acceptance_rate']:.3f} | {p['online']['acceptance_rate']:.3f} | "
+                         f"{p['gain']:+.3f} | {p['frozen']['tau']:.2f} | {p['online']['tau']:.2f} |")
+    lines += ["", "| run | updates | stopped after | update s | serving s | update share |", "|---|---|---|---|---|---|"]
+    for name, (m, _) in runs.items():
+        t = m["time"]
+        lines.append(f"| {name} | {len(m['updates'])} | {m['stopped_at'] or '–'} | {t['update_s']:.1f} | "
+                     f"{t['serve_s']:.1f} | {t['update_share']:.1%} |")
+    return [*lines, "", "![online acceptance](online_curves.png)", ""]
+
+
+def online_curves(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, (m, rows) in runs.items():
+        x = [r["request"] for r in rows]
+        line, = ax.plot(x, [r["online_window"] for r in rows], label=f"{name}: online")
+        ax.plot(x, [r["frozen_window"] for r in rows], linestyle="--", color=line.get_color(), label=f"{name}: frozen")
+        ax.axvline(m["stream"]["online"]["requests"] - 0.5, color="grey", linewidth=0.8)
+    ax.set_xlabel("request (stream, then held out)")
+    ax.set_ylabel(f"acceptance rate (moving window of {runs[next(iter(runs))][0]['settings'].get('window', '?')})")
+    ax.set_title("Online distillation: acceptance against request")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

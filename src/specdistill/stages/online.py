@@ -1,0 +1,211 @@
+"""online@M: online speculative distillation measured against the frozen draft, in the same run.
+
+The default scenario is a domain shift: the draft distilled offline on ShareGPT answers (models/<M>)
+serves a stream of code requests (HumanEval prompts), learning from its rejections; then a held-out
+part of HumanEval is served by the online draft (as it stands after the stream) and by the frozen
+offline draft. `scenario=chat` serves held-out ShareGPT prompts instead. The same stream is also
+served by the frozen draft, so the two acceptance curves share their requests.
+
+Writes `metrics/online_<M>.json`, `plots/online_<M>/{curve,updates}.csv` and the deployed versions
+`models/online_<M>/v<NNN>-r<requests>/` (safetensors).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from specdistill.data.generation import stop_ids
+from specdistill.decoding.verifier import TargetVerifier
+from specdistill.io import atomic_path, write_json
+from specdistill.models.target import TargetConfig, load_target
+from specdistill.online.policy import OnlineConfig
+from specdistill.online.server import OnlineDistiller, OnlineLog
+from specdistill.stages.common import ConfigError, environment, section
+from specdistill.tracking import wandb_run
+from specdistill.training.losses import LossError, build_loss
+
+log = logging.getLogger(__name__)
+
+STORED_TEACHER_LOSSES = ("fkl", "topk_kl", "ce")
+
+
+def request_prompts(prompts_dir: Path, scenario: str, tokenizer: Any, n: int) -> list[list[int]]:
+    split = {"code": "humaneval", "chat": "val"}[scenario]
+    path = prompts_dir / split
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run the prepare stage first")
+    rows = datasets.load_from_disk(str(path))
+    if len(rows) < n:
+        raise ConfigError(f"online: {n} requests (requests + held_out) but {path} holds {len(rows)} prompts; "
+                          "lower online.requests / online.held_out" + (" or raise data.num_val" if split == "val" else ""))
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in rows.select(range(n))["prompt"]]
+
+
+def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any, Any, Any]:
+    """(Lightning module with the float32 student, proposer over a serving copy, deploy(), save(dir, requests))."""
+    import torch
+
+    dtype = target.model.dtype
+    if ocfg.method == "draft":
+        from specdistill.decoding.proposers import DraftLMProposer
+        from specdistill.models.draft_lm import check_same_vocabulary, load_draft, save_draft
+        from specdistill.training.draft import DraftLMModule
+
+        draft = load_draft(path).float().requires_grad_(True)
+        check_same_vocabulary(draft, target.model)
+        draft.get_input_embeddings().requires_grad_(False)  # as offline: the target's embeddings stay
+        module = DraftLMModule(target.model, draft, loss=build_loss(ocfg.loss), optimizer=torch.optim.AdamW,
+                               teacher="stored")
+        serving = copy.deepcopy(draft).to(dtype).eval().requires_grad_(False)
+        proposer, student = DraftLMProposer(serving, k=ocfg.k), draft
+
+        def save(out: Path, requests: int) -> None:  # the deployed (serving) copy; d2t came along with deepcopy
+            save_draft(serving, out, extra={"requests": requests})
+    else:
+        from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+        from specdistill.models.eagle import load_eagle, save_eagle
+        from specdistill.training.eagle import EagleModule
+
+        head = load_eagle(path, target.model, target_fingerprint=target.fingerprint).float().train().requires_grad_(True)
+        if head.cfg.variant == "eagle1":
+            head.norm.requires_grad_(False)
+            head.lm_head.requires_grad_(False)
+        trained = json.loads((Path(path) / "specdistill.json").read_text()).get("method", {}) \
+            if (Path(path) / "specdistill.json").exists() else {}
+        module = EagleModule(target.model, head, ttt_steps=int(trained.get("ttt_steps", 1)),
+                             feature_weight=float(trained.get("feature_weight", 0.0)),
+                             ce_weight=float(trained.get("ce_weight", 1.0)), loss=build_loss(ocfg.loss),
+                             optimizer=torch.optim.AdamW, teacher="live")
+        serving = load_eagle(path, target.model, dtype=dtype, target_fingerprint=target.fingerprint)
+        proposer, student = EagleProposer(serving, EagleTreeConfig(**ocfg.eagle_tree)), head
+
+        def save(out: Path, requests: int) -> None:
+            save_eagle(serving, out, extra={"requests": requests})
+
+    def deploy() -> None:  # the float32 student into the serving copy (cast to the target's dtype)
+        serving.load_state_dict(student.state_dict())
+
+    module.eval()
+    return module, proposer, deploy, save
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    ocfg = section(OnlineConfig, dict(cfg["online"]), "online")
+    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    try:
+        build_loss(ocfg.loss)
+    except LossError as e:
+        raise ConfigError(f"online.loss: {e}") from e
+    if ocfg.method == "draft" and ocfg.loss not in STORED_TEACHER_LOSSES:
+        raise ConfigError(f"online.loss={ocfg.loss}: the separate draft learns from the target's stored top-k at the "
+                          f"judged positions; use one of {STORED_TEACHER_LOSSES}")
+    models_dir = Path(cfg["paths"].get("models_dir", "models"))
+    path = ocfg.draft_path or str(models_dir / ocfg.method)
+    if not Path(path).exists():
+        raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` or set online.draft_path")
+    target = load_target(tcfg)
+    tok = target.tokenizer
+    stops, pad_id = stop_ids(target.model, tok), tok.pad_token_id or 0
+    prompts = request_prompts(Path(cfg["paths"]["prompts_dir"]), ocfg.scenario, tok, ocfg.requests + ocfg.held_out)
+    stream, held_out = prompts[: ocfg.requests], prompts[ocfg.requests:]
+    name = f"online_{ocfg.method}"
+    versions = models_dir / name
+
+    def serve_all(distiller: OnlineDistiller, requests: list[list[int]], label: str) -> None:
+        from tqdm.auto import tqdm
+
+        for prompt in tqdm(requests, desc=label, unit="req", dynamic_ncols=True):
+            distiller.serve(prompt)
+
+    module, proposer, deploy, save = build_student(ocfg, target, path)
+    verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
+    frozen = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=False)
+    serve_all(frozen, stream + held_out, "frozen draft")
+    online = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=True, deploy=deploy,
+                             save=save, save_dir=versions)
+    with atomic_path(versions, is_dir=True) as tmp:
+        online.save_dir = tmp
+        serve_all(online, stream, "online draft")
+        online.learn = False  # the held-out part measures the draft as it stands after the stream
+        serve_all(online, held_out, "online draft, held out")
+        save(tmp / "final", len(stream))
+    metrics = summarise(frozen.log, online.log, ocfg, len(stream))
+    metrics["settings"] = {**asdict(ocfg), "draft_path": path, "target_fingerprint": target.fingerprint,
+                           "dtype": tcfg.dtype, **environment()}
+    write_outputs(metrics, frozen.log, online.log, ocfg.window, Path(cfg["paths"].get("metrics_dir", "metrics")),
+                  Path(cfg["paths"].get("plots_dir", "plots")) / name, name)
+    with wandb_run(cfg.get("logger"), job_type=name, group=cfg.get("experiment_name", "default"), config=cfg) as wb:
+        log_wandb(wb, frozen.log, online.log, ocfg.window)
+    h = metrics["held_out"]
+    log.info("%s: held-out acceptance %.3f online vs %.3f frozen (%+.3f), tau %.2f vs %.2f; %d updates, %.1f s "
+             "updating vs %.1f s serving", name, h["online"]["acceptance_rate"], h["frozen"]["acceptance_rate"],
+             h["gain"], h["online"]["tau"], h["frozen"]["tau"], len(online.log.updates),
+             metrics["time"]["update_s"], metrics["time"]["serve_s"])
+    return metrics
+
+
+def _summary(rows: list[Any]) -> dict[str, float]:
+    accepted, judged = sum(r.accepted for r in rows), sum(r.judged for r in rows)
+    tokens, rounds = sum(r.tokens for r in rows), sum(r.rounds for r in rows)
+    return {"requests": len(rows), "acceptance_rate": round(accepted / judged, 4) if judged else 0.0,
+            "tau": round(tokens / (rounds + len(rows)), 4) if rows else 0.0,
+            "tokens_per_s": round(tokens / sum(r.seconds for r in rows), 2) if rows else 0.0}
+
+
+def summarise(frozen: OnlineLog, online: OnlineLog, ocfg: OnlineConfig, n_stream: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": ocfg.method, "scenario": ocfg.scenario}
+    for part, sl in (("stream", slice(0, n_stream)), ("held_out", slice(n_stream, None))):
+        f, o = _summary(frozen.served[sl]), _summary(online.served[sl])
+        out[part] = {"frozen": f, "online": o, "gain": round(o["acceptance_rate"] - f["acceptance_rate"], 4)}
+    out["updates"] = [asdict(u) for u in online.updates]
+    out["stopped_at"] = online.stopped_at
+    serve_s = sum(r.seconds for r in online.served)
+    update_s = sum(u.seconds for u in online.updates)
+    out["time"] = {"serve_s": round(serve_s, 2), "update_s": round(update_s, 2),
+                   "update_share": round(update_s / (serve_s + update_s), 4) if serve_s + update_s else 0.0}
+    return out
+
+
+def moving(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1])
+            for i in range(len(values))]
+
+
+def write_outputs(metrics: dict[str, Any], frozen: OnlineLog, online: OnlineLog, window: int, metrics_dir: Path,
+                  plots: Path, name: str) -> None:
+    write_json(metrics_dir / f"{name}.json", metrics)
+    f_rates = [r.acceptance_rate for r in frozen.served]
+    o_rates = [r.acceptance_rate for r in online.served]
+    with atomic_path(plots, is_dir=True) as tmp:
+        with open(tmp / "curve.csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["request", "frozen", "online", "frozen_window", "online_window", "version"])
+            for i, (a, b, ma, mb) in enumerate(zip(f_rates, o_rates, moving(f_rates, window), moving(o_rates, window),
+                                                   strict=True)):
+                w.writerow([i, round(a, 4), round(b, 4), round(ma, 4), round(mb, 4), online.served[i].version])
+        with open(tmp / "updates.csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["request", "seconds", "loss", "positions", "buffer_requests", "buffer_rejected"])
+            for u in online.updates:
+                w.writerow([u.request, round(u.seconds, 3), round(u.loss, 5), u.positions, u.buffer_requests,
+                            u.buffer_rejected])
+
+
+def log_wandb(run: Any, frozen: OnlineLog, online: OnlineLog, window: int) -> None:
+    if not hasattr(run, "id"):  # logging disabled
+        return
+    f = moving([r.acceptance_rate for r in frozen.served], window)
+    o = moving([r.acceptance_rate for r in online.served], window)
+    for i, (a, b) in enumerate(zip(f, o, strict=True)):
+        run.log({"online/request": i, "online/acceptance_frozen": a, "online/acceptance_online": b,
+                 "online/tau_online": online.served[i].tau, "online/version": online.served[i].version})
+    for u in online.updates:
+        run.log({"online/update_request": u.request, "online/update_seconds": u.seconds, "online/update_loss": u.loss})

@@ -1,0 +1,166 @@
+"""Online speculative distillation on tiny random models: recording, updates, stopping, losslessness, the stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.proposers import DraftLMProposer
+from specdistill.decoding.verifier import TargetVerifier
+from specdistill.models.draft_lm import DraftSize, build_draft, save_draft
+from specdistill.online.buffer import RejectionBuffer
+from specdistill.online.policy import OnlineConfig, StoppingRule
+from specdistill.online.recorder import RecordingVerifier
+from specdistill.online.server import OnlineDistiller
+from specdistill.training.draft import DraftLMModule
+from specdistill.training.losses import Teacher, build_loss
+
+from .conftest import make_model
+from .test_decoding import PROMPTS, plain_greedy
+
+
+@pytest.fixture(scope="module")
+def target(tiny_tokenizer):
+    return make_model(len(tiny_tokenizer), seed=0)
+
+
+def student(target, seed=3):
+    """A 1-layer draft cut from the target, perturbed: it agrees with the target on some tokens, not all."""
+    draft = build_draft(target, DraftSize(name="xs", num_layers=1), "from_target", seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=g) * 0.5)
+    return draft
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_judged_positions_are_recorded_once_with_their_context_and_target_distribution(target, k):
+    ver = RecordingVerifier(TargetVerifier(target, capacity=128), topk=16)
+    res = speculative_generate(ver, DraftLMProposer(student(target), k=k), PROMPTS[2], 24, stops=set())
+    rec = ver.record.finish(res.tokens)
+    assert rec.tokens == PROMPTS[2] + res.tokens
+    assert len(set(rec.positions)) == len(rec.positions)  # each position once
+    assert rec.num_rejected == sum(1 for r in res.rounds if r.accepted < r.draft_depth) > 0
+    assert rec.num_accepted == sum(r.accepted for r in res.rounds)
+    with torch.no_grad():
+        logp = torch.log_softmax(target(input_ids=torch.tensor([rec.tokens])).logits[0].float(), -1)
+    for t, ids, lp in zip(rec.positions, rec.topk_ids, rec.topk_logprobs, strict=True):
+        # the target's distribution of token t+1 given tokens[:t+1]: what judged the draft's token there
+        torch.testing.assert_close(lp, logp[t, ids], atol=1e-4, rtol=1e-4)
+        # greedy: the token that followed (an accepted draft token, or the bonus after a rejection) is the argmax
+        assert int(ids[0]) == int(logp[t].argmax()) == rec.tokens[t + 1]
+    rejected = [t for t, ok in zip(rec.positions, rec.accepted, strict=True) if not ok]
+    assert all(t >= len(PROMPTS[2]) for t in rejected)
+
+
+def module_for(target, draft, loss="fkl"):
+    return DraftLMModule(target, draft, loss=build_loss(loss), optimizer=torch.optim.AdamW, teacher="stored")
+
+
+def rejected_loss(module, batch):
+    mask = batch["loss_mask"]
+    with torch.no_grad():
+        s = module.student_logits(batch, mask)
+        t = Teacher(topk_ids=batch["topk_ids"][mask], topk_logprobs=batch["topk_logprobs"][mask])
+        return float(module._loss(s, t, batch["labels"][mask])[0])
+
+
+def test_an_update_lowers_the_divergence_on_the_rejected_positions(target):
+    draft = student(target)
+    serving = student(target)  # same weights (same seed), served in eval mode
+    cfg = OnlineConfig(requests=3, update_every=100, steps=8, batch_size=3, lr=3e-3, replay_accepted=0.0, topk=64)
+    module = module_for(target, draft)
+    online = OnlineDistiller(module, DraftLMProposer(serving, k=3), TargetVerifier(target, capacity=128), cfg, set(), 2,
+                             deploy=lambda: serving.load_state_dict(draft.state_dict()))
+    for p in PROMPTS:
+        online.serve(p)
+    batch = online.buffer.batch(3, 0.0, 2, torch.Generator().manual_seed(0))
+    assert int(batch["loss_mask"].sum()) == online.buffer.rejected  # replay 0: the rejected positions only
+    before = rejected_loss(module, batch)
+    up = online.update()
+    after = rejected_loss(module, batch)
+    assert up is not None and up.positions > 0 and after < before
+    assert torch.equal(serving.lm_head.weight, draft.lm_head.weight)  # deployed
+    assert online.version == 1
+
+
+def test_stopping_rule_stops_when_acceptance_stalls():
+    rule = StoppingRule(window=4, patience=2, epsilon=0.01)
+    for rate in (0.2, 0.3):
+        rule.observe(rate)
+    assert rule.should_update()  # the first window is the best so far
+    rule.observe(0.6)
+    assert rule.should_update() and rule.stale == 0  # the window rose: 0.367
+    assert rule.should_update() and rule.stale == 1  # no gain since
+    assert not rule.should_update() and rule.stopped  # `patience` updates without a gain: stop
+    rule.observe(1.0)
+    assert not rule.should_update()  # stopped for good
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_serving_stays_lossless_before_and_after_updates(target, kind):
+    cfg = OnlineConfig(requests=3, update_every=1, steps=2, batch_size=2, lr=1e-2, topk=32, patience=100)
+    if kind == "draft":
+        draft, serving = student(target), student(target)
+        module, proposer = module_for(target, draft), DraftLMProposer(serving, k=3)
+    else:
+        from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+        from specdistill.training.eagle import EagleModule
+
+        from .test_eagle import random_head
+
+        draft, serving = random_head(target, "eagle3").train(), random_head(target, "eagle3")
+        module = EagleModule(target, draft, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)
+        proposer = EagleProposer(serving, EagleTreeConfig(shape="dynamic", depth=3, top_k=2, total_tokens=5))
+    online = OnlineDistiller(module, proposer, TargetVerifier(target, capacity=128,
+                                                             feature_layers=getattr(proposer, "feature_layers", ())),
+                             cfg, set(), 2, deploy=lambda: serving.load_state_dict(draft.state_dict()))
+    for prompt in PROMPTS + PROMPTS:
+        tokens, _ = online.serve(prompt)
+        assert tokens == plain_greedy(target, prompt, cfg.max_new_tokens), (online.version, prompt)
+    assert online.version >= 2  # served by updated drafts
+
+
+def test_buffer_is_bounded_in_tokens(target):
+    from specdistill.online.recorder import RequestRecord
+
+    buf = RejectionBuffer(max_tokens=25)
+    for i in range(4):
+        buf.add(RequestRecord(tokens=list(range(10)), prompt_len=3, positions=[4], accepted=[False],
+                              topk_ids=[torch.tensor([i])], topk_logprobs=[torch.tensor([0.0])]))
+    assert len(buf) == 2 and buf.tokens == 20 and int(buf.requests[0].topk_ids[0]) == 2  # oldest out first
+
+
+def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch):
+    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.stages import online as online_stage
+    from specdistill.stages.prepare import save_split
+
+    rows = [{"id": str(i), "messages": [{"role": "user", "content": f"def f{i}(x):"}], "source": "humaneval",
+             "category": "code", "reference": "", "turns": [f"def f{i}(x):"], "prompt_tokens": 1,
+             "prompt": tiny_tokenizer.apply_chat_template([{"role": "user", "content": f"def f{i}(x): return x + {i}"}],
+                                                          tokenize=False, add_generation_prompt=True)}
+            for i in range(6)]
+    save_split(rows, tmp_path / "prompts/humaneval")
+    loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
+    save_draft(student(loaded.model), tmp_path / "models/draft")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts"), "models_dir": str(tmp_path / "models"),
+                     "metrics_dir": str(tmp_path / "metrics"), "plots_dir": str(tmp_path / "plots")},
+           "logger": {"enabled": False}, "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+           "online": {"requests": 4, "held_out": 2, "max_new_tokens": 12, "update_every": 2, "steps": 2,
+                      "batch_size": 2, "topk": 16, "lr": 1e-3}}
+    metrics = online_stage.run(cfg)
+    saved = json.loads((tmp_path / "metrics/online_draft.json").read_text())
+    assert saved["held_out"]["frozen"]["requests"] == 2 and saved["stream"]["online"]["requests"] == 4
+    assert len(saved["updates"]) >= 1 and metrics["time"]["update_s"] > 0
+    curve = (tmp_path / "plots/online_draft/curve.csv").read_text().splitlines()
+    assert curve[0] == "request,frozen,online,frozen_window,online_window,version" and len(curve) == 7
+    assert (tmp_path / "models/online_draft/final/config.json").exists()
+    assert any(p.name.startswith("v001-r") for p in (tmp_path / "models/online_draft").iterdir())
+    cfg["online"]["loss"] = "jsd"
+    with pytest.raises(ValueError, match="stored top-k"):
+        online_stage.run(cfg)
