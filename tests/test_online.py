@@ -134,7 +134,8 @@ def test_buffer_is_bounded_in_tokens(target):
     assert len(buf) == 2 and buf.tokens == 20 and int(buf.requests[0].topk_ids[0]) == 2  # oldest out first
 
 
-def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("scenario", ["code", "chat"])
+def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch, scenario):
     from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import online as online_stage
     from specdistill.stages.prepare import save_split
@@ -144,7 +145,7 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
              "prompt": tiny_tokenizer.apply_chat_template([{"role": "user", "content": f"def f{i}(x): return x + {i}"}],
                                                           tokenize=False, add_generation_prompt=True)}
             for i in range(6)]
-    save_split(rows, tmp_path / "prompts/humaneval")
+    save_split(rows, tmp_path / "prompts" / ("humaneval" if scenario == "code" else "val"))
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
     save_draft(student(loaded.model), tmp_path / "models/draft")
     monkeypatch.chdir(tmp_path)
@@ -152,7 +153,7 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
                      "metrics_dir": str(tmp_path / "metrics"), "plots_dir": str(tmp_path / "plots")},
            "logger": {"enabled": False}, "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
            "online": {"requests": 4, "held_out": 2, "max_new_tokens": 12, "update_every": 2, "steps": 2,
-                      "batch_size": 2, "topk": 16, "lr": 1e-3}}
+                      "batch_size": 2, "topk": 16, "lr": 1e-3, "scenario": scenario}}
     metrics = online_stage.run(cfg)
     saved = json.loads((tmp_path / "metrics/online_draft.json").read_text())
     assert saved["held_out"]["frozen"]["requests"] == 2 and saved["stream"]["online"]["requests"] == 4
@@ -161,6 +162,10 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
     assert curve[0] == "request,frozen,online,frozen_window,online_window,version" and len(curve) == 7
     assert (tmp_path / "models/online_draft/final/config.json").exists()
     assert any(p.name.startswith("v001-r") for p in (tmp_path / "models/online_draft").iterdir())
+    assert saved["scenario"] == scenario
     cfg["online"]["loss"] = "jsd"
     with pytest.raises(ValueError, match="stored top-k"):
+        online_stage.run(cfg)
+    cfg["online"].update(loss="fkl", requests=5)
+    with pytest.raises(ValueError, match="holds 6 prompts"):
         online_stage.run(cfg)

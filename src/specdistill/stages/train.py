@@ -235,8 +235,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         write_json(plan.metrics_file, result)
         if plan.plots_dir is not None:
             write_curve(sorted(history.values(), key=lambda r: r["step"]), plan.plots_dir)
-        log.info("%s: val/alpha %.3f, alpha at T=0 %.3f, tau_sim(K=%d) %.2f after %d steps -> %s", plan.run_name,
-                 final.get("val/alpha", 0), final.get("val/alpha_t0", 0), dist.tau_k, final.get("val/tau_sim", 0),
+        log.info("%s: val/alpha %.3f, alpha at T=0 %.3f, tau_sim(K=%d) at T=0 %.2f after %d steps -> %s", plan.run_name,
+                 final.get("val/alpha", 0), final.get("val/alpha_t0", 0), dist.tau_k, final.get("val/tau_sim_t0", 0),
                  trainer.global_step, plan.model_dir)
     if logger:
         logger.experiment.finish()  # a multirun's next job gets its own run
