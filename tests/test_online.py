@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -20,6 +21,7 @@ from specdistill.training.losses import Teacher, build_loss
 
 from .conftest import make_model
 from .test_decoding import PROMPTS, plain_greedy
+from .test_train import generated  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +171,25 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
     cfg["online"].update(loss="fkl", requests=5)
     with pytest.raises(ValueError, match="holds 6 prompts"):
         online_stage.run(cfg)
+
+
+def test_offline_replay_steps_train_on_the_offline_data_with_a_live_teacher(target, generated):  # noqa: F811
+    from specdistill.data.datamodule import DataConfig, DistillDataModule
+
+    dm = DistillDataModule(DataConfig(batch_size=2, bucket_size=1), generated, generated, pad_id=2)
+    dm.setup("fit")
+    offline = iter(dm.train_dataloader())
+    draft, serving = student(target), student(target)
+    live = DraftLMModule(target, draft, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)  # teacher: live
+    cfg = OnlineConfig(requests=2, update_every=100, steps=2, batch_size=2, lr=1e-3, topk=16, replay_offline=1.0)
+    online = OnlineDistiller(module_for(target, draft), DraftLMProposer(serving, k=2), TargetVerifier(target, 128), cfg,
+                             set(), 2, deploy=lambda: serving.load_state_dict(draft.state_dict()), offline=offline,
+                             offline_module=live)
+    online.serve(PROMPTS[0])
+    before = draft.lm_head.weight.clone()
+    offline_positions = sum(int(b["loss_mask"].sum()) for b in itertools.islice(iter(dm.train_dataloader()), 2))
+    up = online.update()  # replay_offline=1: both steps on offline batches (the buffer holds one request)
+    assert up is not None and up.positions == offline_positions and not torch.equal(before, draft.lm_head.weight)
+    with pytest.raises(ValueError, match="replay_offline"):
+        OnlineDistiller(module_for(target, draft), DraftLMProposer(serving, k=2), TargetVerifier(target, 128), cfg,
+                        set(), 2)

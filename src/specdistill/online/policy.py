@@ -25,6 +25,7 @@ class OnlineConfig:
     loss: str = "fkl"  # divergence against the target's stored top-k (fkl | topk_kl | ce)
     topk: int = 256  # target log-probs kept per judged position
     replay_accepted: float = 0.25  # fraction of accepted positions trained on beside every rejected one
+    replay_offline: float = 0.0  # fraction of update steps on a batch of the offline training data (live teacher)
     buffer_tokens: int = 32_768  # buffer size (tokens of the kept requests)
     window: int = 16  # requests in the moving acceptance window
     patience: int = 3  # updates without a gain of `epsilon` in the window before updating stops
@@ -39,8 +40,9 @@ class OnlineConfig:
             raise ValueError(f"online.scenario={self.scenario!r}: use code or chat")
         if min(self.requests, self.update_every, self.steps, self.batch_size, self.window, self.patience) < 1:
             raise ValueError("online requests, update_every, steps, batch_size, window and patience must be >= 1")
-        if not 0 <= self.replay_accepted <= 1:
-            raise ValueError(f"online.replay_accepted={self.replay_accepted} must be in [0, 1]")
+        for key in ("replay_accepted", "replay_offline"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"online.{key}={getattr(self, key)} must be in [0, 1]")
 
 
 class StoppingRule:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,8 @@ class OnlineDistiller:
 
     def __init__(self, module: Any, proposer: Any, verifier: Any, cfg: OnlineConfig, stops: set[int], pad_id: int,
                  learn: bool = True, deploy: Callable[[], None] | None = None,
-                 save: Callable[[Path, int], None] | None = None, save_dir: Path | None = None):
+                 save: Callable[[Path, int], None] | None = None, save_dir: Path | None = None,
+                 offline: Iterator[dict[str, torch.Tensor]] | None = None, offline_module: Any = None):
         from lightning.fabric import Fabric
 
         self.cfg, self.stops, self.pad_id, self.learn = cfg, stops, pad_id, learn
@@ -81,6 +82,11 @@ class OnlineDistiller:
         self.log = OnlineLog()
         self.save, self.save_dir = save, save_dir
         self.deploy = deploy  # copies the trained (float32) weights into the serving copy
+        # replay of the offline training data (so the draft does not forget it): batches of the generate
+        # stage's answers through a module with a live teacher that shares the student
+        self.offline, self.offline_module = offline, offline_module or module
+        if cfg.replay_offline > 0 and offline is None:
+            raise ValueError("online.replay_offline > 0 needs the offline training batches")
         self.version = 0
         self.module = module
         if learn:
@@ -124,16 +130,20 @@ class OnlineDistiller:
         losses, positions = [], 0
         self.module.train()
         for _ in range(self.cfg.steps):
-            batch = self.buffer.batch(self.cfg.batch_size, self.cfg.replay_accepted, self.pad_id, self.generator)
+            module = self.module
+            if self.offline is not None and float(torch.rand((), generator=self.generator)) < self.cfg.replay_offline:
+                batch, module = next(self.offline), self.offline_module
+            else:
+                batch = self.buffer.batch(self.cfg.batch_size, self.cfg.replay_accepted, self.pad_id, self.generator)
             if batch is None:
                 continue
             batch = {k: v.to(self.module.device) for k, v in batch.items()}
-            loss = self.module.training_step(batch, 0)
+            loss = module.training_step(batch, 0)
             self.optimizer.zero_grad()
             self.fabric.backward(loss)
             self.optimizer.step()
             losses.append(float(loss.detach()))
-            positions += int(batch["loss_mask"].sum())
+            positions += int(batch["loss_mask"].sum())  # offline replay positions included
         self.module.eval()
         if not losses:
             return None

@@ -97,6 +97,26 @@ def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any,
     return module, proposer, deploy, save
 
 
+def offline_replay(cfg: dict[str, Any], ocfg: OnlineConfig, target: Any, module: Any) -> tuple[Any, Any]:
+    """(an endless iterator over the offline training batches, a module with a live teacher sharing the student)."""
+    import itertools
+
+    import torch
+
+    from specdistill.data.datamodule import DataConfig, DistillDataModule
+
+    dm = DistillDataModule(DataConfig(batch_size=ocfg.batch_size, seed=ocfg.seed), cfg["paths"]["generated_dir"],
+                           cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer, pad_id=target.tokenizer.pad_token_id or 0)
+    dm.setup("fit")
+    batches = itertools.chain.from_iterable(dm.train_dataloader() for _ in itertools.count())
+    if ocfg.method == "draft":
+        from specdistill.training.draft import DraftLMModule
+
+        live = DraftLMModule(target.model, module.draft, loss=build_loss(ocfg.loss), optimizer=torch.optim.AdamW)
+        return batches, live
+    return batches, module  # the EAGLE module's teacher is live already
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ocfg = section(OnlineConfig, dict(cfg["online"]), "online")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
@@ -129,8 +149,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
     frozen = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=False)
     serve_all(frozen, stream + held_out, "frozen draft")
+    offline, offline_module = offline_replay(cfg, ocfg, target, module) if ocfg.replay_offline > 0 else (None, None)
     online = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=True, deploy=deploy,
-                             save=save, save_dir=versions)
+                             save=save, save_dir=versions, offline=offline, offline_module=offline_module)
     with atomic_path(versions, is_dir=True) as tmp:
         online.save_dir = tmp
         serve_all(online, stream, "online draft")
