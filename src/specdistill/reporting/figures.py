@@ -13,6 +13,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 from specdistill.reporting import alphas, chained_tau, settings  # noqa: E402
 
 
+def finish(fig: Any, ax: Any, out: Path, grid: bool = False, legend: bool = True) -> None:
+    """The end every figure shares: legend, optional grid, tight layout, a 120-dpi PNG, the figure closed."""
+    if grid:
+        ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, dataset, temp, m in settings(all_metrics):
@@ -21,10 +32,7 @@ def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) ->
             ax.plot(range(1, len(a) + 1), a, marker="o", label=f"{name} {dataset} {temp}")
     ax.set(xlabel="draft position k", ylabel="alpha_k (accepted | positions < k accepted)", ylim=(0, 1.05),
            title="Acceptance by draft position")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    finish(fig, ax, out)
 
 
 def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
@@ -39,9 +47,7 @@ def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=6)
     ax.set(ylabel="tokens/s over our AR loop", title="Speed-up (same prompts, same process)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    finish(fig, ax, out, legend=False)
 
 
 def tau_vs_k(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
@@ -57,7 +63,4 @@ def tau_vs_k(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
         ax.scatter([len(a)], [s["tau"]], color=line.get_color(), marker="x", s=60)
     ax.set(xlabel="draft length K", ylabel="tau (tokens per target forward)",
            title="tau vs K from measured alpha_k (x: measured tau)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    finish(fig, ax, out)

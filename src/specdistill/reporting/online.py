@@ -45,10 +45,7 @@ def online_tables(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]]
 
 
 def online_curves(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from specdistill.reporting.figures import finish, plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, (m, rows) in runs.items():
@@ -56,11 +53,7 @@ def online_curves(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]]
         line, = ax.plot(x, [r["online_window"] for r in rows], label=f"{name}: online")
         ax.plot(x, [r["frozen_window"] for r in rows], linestyle="--", color=line.get_color(), label=f"{name}: frozen")
         ax.axvline(m["stream"]["online"]["requests"] - 0.5, color="grey", linewidth=0.8)
-    ax.set_xlabel("request (stream, then held out)")
-    ax.set_ylabel(f"acceptance rate (moving window of {runs[next(iter(runs))][0]['settings'].get('window', '?')})")
-    ax.set_title("Online distillation: acceptance against request")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    window = runs[next(iter(runs))][0]["settings"].get("window", "?")
+    ax.set(xlabel="request (stream, then held out)", ylabel=f"acceptance rate (moving window of {window})",
+           title="Online distillation: acceptance against request")
+    finish(fig, ax, path, grid=True)

@@ -64,25 +64,15 @@ def sweep_table(sweep: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def alpha_curves(curves: dict[str, list[dict[str, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from specdistill.reporting.figures import finish, plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, rows in curves.items():
         steps = [r["step"] for r in rows]
         ax.plot(steps, [r["alpha"] for r in rows], marker="o", label=f"{name}: alpha (T=1)")
         ax.plot(steps, [r["alpha_t0"] for r in rows], marker="s", linestyle="--", label=f"{name}: alpha at T=0")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("validation acceptance")
-    ax.set_title("Acceptance curves: val/alpha against step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
+    ax.set(xlabel="training step", ylabel="validation acceptance", title="Acceptance curves: val/alpha against step")
+    finish(fig, ax, path, grid=True)
 
 def medusa_tables(runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str, Any]]) -> list[str]:
     """Per-head accuracy, the trees grown from it, and exercises 3 and 4 of the background text, from measurement."""
