@@ -1,4 +1,4 @@
-"""report: every metrics file into reports/README.md, with PNG figures beside it."""
+"""report: every metrics file into reports/<experiment>/README.md, with PNG figures beside it."""
 
 from __future__ import annotations
 
