@@ -20,13 +20,18 @@ def metrics(method: str, alphas: list[float], tau: float) -> dict:
             "results": {"mtbench": {"T0": setting}}}
 
 
+def render(tmp_path, monkeypatch) -> str:
+    """The report stage run in `tmp_path` (metrics/, plots/ there); its README text."""
+    monkeypatch.chdir(tmp_path)
+    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
+    return (tmp_path / "reports/README.md").read_text()
+
+
 def test_report_writes_tables_figures_and_the_formula_check(tmp_path, monkeypatch):
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics/draft.json").write_text(json.dumps(metrics("draft", [0.8, 0.5, 0.5, 0.2], 2.1)))
     (tmp_path / "metrics/lookup.json").write_text(json.dumps(metrics("lookup", [0.5, 0.5], 1.4)))
-    monkeypatch.chdir(tmp_path)
-    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
-    text = (tmp_path / "reports/README.md").read_text()
+    text = render(tmp_path, monkeypatch)
     assert "## mtbench, temperature 0" in text and "speculative (draft)" in text and "speculative (lookup)" in text
     assert "| 2.10x |" in text  # vs HF assisted
     # eq. 2: chained measured alphas 1 + .8 + .4 + .2 + .04 = 2.44; truncated sum with alpha_pos1 = 1+.8+.64+.512+.4096
@@ -58,9 +63,7 @@ def test_report_has_the_distillation_tables_and_curves(tmp_path, monkeypatch):
     (tmp_path / "plots/train_draft").mkdir(parents=True)
     (tmp_path / "plots/train_draft/val.csv").write_text("step,alpha,alpha_t0,tau_sim,tau_sim_t0\n40,0.3,0.2,1.4,1.2\n"
                                                         "80,0.5,0.4,1.8,1.5\n")
-    monkeypatch.chdir(tmp_path)
-    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
-    text = (tmp_path / "reports/README.md").read_text()
+    text = render(tmp_path, monkeypatch)
     assert "| draft | xs (1 layer) | from_target | 8192 | fkl | target | 160 | 57,028 | 0.612 |" in text
     assert "| draft_ce | xs (1 layer) | from_target | 8192 | ce | dataset |" in text
     assert "### Sweep" in text and "| draft-s-tvd | xs (2 layers) |" in text
@@ -84,9 +87,7 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     eagle["final"].update({f"val/alpha_pos{k}{t}": 0.5 for k in range(1, 5) for t in ("", "_t0")})
     eagle["final"]["val/vocab_coverage"] = 0.883
     (tmp_path / "metrics/train_eagle.json").write_text(json.dumps(eagle))
-    monkeypatch.chdir(tmp_path)
-    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
-    text = (tmp_path / "reports/README.md").read_text()
+    text = render(tmp_path, monkeypatch)
     assert "| medusa | Medusa, 4 heads x 1 block |" in text and "| 1 | x(t+2) | 0.100 | 0.100 | 0.100 |" in text
     # exercise 3 from the measured accuracies: the cartesian 3x3x3 tree (39 tokens) against the 4-node tree
     assert "27 candidate sequences and 39 tree tokens" in text and "the chosen tree spends 4 tokens" in text
@@ -107,9 +108,7 @@ def test_report_has_the_online_table_and_curve(tmp_path, monkeypatch):
     (tmp_path / "plots/online_draft/curve.csv").write_text(
         "request,frozen,online,frozen_window,online_window,version\n0,0.2,0.2,0.2,0.2,0\n1,0.2,0.3,0.2,0.25,1\n"
         "2,0.21,0.33,0.205,0.315,1\n3,0.21,0.33,0.21,0.33,1\n")
-    monkeypatch.chdir(tmp_path)
-    report.run({"paths": {}, "logger": {"enabled": False}, "experiment_name": "t"})
-    text = (tmp_path / "reports/README.md").read_text()
+    text = render(tmp_path, monkeypatch)
     assert "| online_draft | code | held out | 2 | 0.210 | 0.330 | +0.120 | 1.20 | 1.40 |" in text
     assert "| online_draft | 1 | – | 1.0 | 10.0 | 9.1% |" in text
     assert (tmp_path / "reports/online_curves.png").read_bytes()[:4] == b"\x89PNG"
