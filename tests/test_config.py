@@ -51,6 +51,9 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     from specdistill.online.policy import OnlineConfig
 
     section(OnlineConfig, cfg["online"], "online")
+    from specdistill.stages.evaluate import EvalConfig
+
+    section(EvalConfig, cfg["eval"], "eval")  # the EAGLE tree too
     assert cfg["trainer"]["max_steps"] > 0 and cfg["method"] in cfg["methods"]
 
 

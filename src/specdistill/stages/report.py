@@ -65,7 +65,10 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              f"{s.get('prompts')} prompts per dataset, max_new_tokens {s.get('max_new_tokens')}, K = {s.get('k')}, "
              f"{s.get('chain_or_tree')}.", "",
              "Speed-up is tokens/s over our AR loop on the same prompts in the same process (methods interleaved);",
-             "at temperature 0 every method emits the same tokens, so it is the ratio of wall times.", ""]
+             "at temperature 0 every method emits the target's greedy chain, but in bfloat16 a verification forward over",
+             "several positions rounds differently from a one-token step, so where the top two logits tie to within",
+             "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
+             "float32 none happens); tokens/s, not wall time, is therefore the ratio.", ""]
     datasets = sorted({d for m in all_metrics.values() for d in m["results"]})
     temps = sorted({t for m in all_metrics.values() for d in m["results"].values() for t in d})
     for dataset in datasets:
