@@ -75,12 +75,14 @@ def test_step0_at_t_reads_h_t_and_x_t1_and_is_scored_at_t_plus_1(target, monkeyp
     h0, tok0, pos0 = seen[0]
     torch.testing.assert_close(h0, head.features_in(feats))  # anchor t reads h_t ...
     assert tok0[0, :T - 1].tolist() == ids[0, 1:].tolist() and pos0[0].tolist() == list(range(T))  # ... and x_{t+1}
-    for i, anchors, _, t_logits, y, *_ in rows:
+    for s in rows:
+        i = s.index
         expect = [t for t in range(T - i - 1) if mask[0, t + i + 1]]
-        assert anchors[0].nonzero().flatten().tolist() == expect
+        assert s.anchors[0].nonzero().flatten().tolist() == expect
+        assert s.scored[0].nonzero().flatten().tolist() == [t + i + 1 for t in expect]
         for r, t in enumerate(expect):
-            torch.testing.assert_close(t_logits[r], logits[t + i + 1].float())  # the target at t+i+1
-            assert int(y[r]) == 10 + t + i + 2  # which predicts x_{t+i+2}
+            torch.testing.assert_close(s.teacher[r], logits[t + i + 1].float())  # the target at t+i+1
+            assert int(s.labels[r]) == 10 + t + i + 2  # which predicts x_{t+i+2}
     assert seen[1][1][0, 0] == ids[0, 2] and seen[1][2][0, 0] == 1  # step 1: x_{t+2}, position t+1
 
 

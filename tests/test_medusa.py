@@ -180,6 +180,20 @@ def test_medusa_tree_shape_from_choices(target):
     assert tree.tokens.tolist() == [top[0, 0], top[0, 1], top[1, 0], top[1, 1], top[1, 0]]
 
 
+def test_medusa_proposer_runs_only_the_heads_within_max_depth(target):
+    heads = random_heads(target, 3)
+    proposer = MedusaProposer(heads, [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    proposer.hidden = torch.randn(target.config.hidden_size)
+    calls = []
+    for k, h in enumerate(heads.heads, start=1):
+        h.register_forward_hook(lambda *_, k=k: calls.append(k))
+    full = proposer.propose([1, 2], 8, SamplingConfig(), None)
+    calls.clear()
+    cut = proposer.propose([1, 2], 1, SamplingConfig(), None)
+    assert calls == [1]  # heads 2 and 3 are not computed when only depth 1 fits
+    assert cut.parents.tolist() == [-1, -1] and cut.tokens.tolist() == full.tokens[:2].tolist()
+
+
 # --- saving and training ----------------------------------------------------------------------------
 
 def test_save_load_round_trip_and_target_check(tmp_path, target):

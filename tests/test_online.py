@@ -58,6 +58,18 @@ def test_judged_positions_are_recorded_once_with_their_context_and_target_distri
     assert all(t >= len(PROMPTS[2]) for t in rejected)
 
 
+def test_a_recorder_that_keeps_no_teacher_judges_the_same_positions(target):
+    records = []
+    for keep in (True, False):
+        ver = RecordingVerifier(TargetVerifier(target, capacity=128), topk=16)
+        ver.keep_topk = keep
+        res = speculative_generate(ver, DraftLMProposer(student(target), k=2), PROMPTS[2], 24, stops=set())
+        records.append(ver.record.finish(res.tokens))
+    kept, judged = records
+    assert (judged.positions, judged.accepted) == (kept.positions, kept.accepted) and kept.topk_ids
+    assert judged.topk_ids == [] and judged.topk_logprobs == []
+
+
 def module_for(target, draft, loss="fkl"):
     return DraftLMModule(target, draft, loss=build_loss(loss), optimizer=torch.optim.AdamW, teacher="stored")
 
@@ -99,7 +111,24 @@ def test_stopping_rule_stops_when_acceptance_stalls():
     assert rule.should_update() and rule.stale == 1  # no gain since
     assert not rule.should_update() and rule.stopped  # `patience` updates without a gain: stop
     rule.observe(1.0)
-    assert not rule.should_update()  # stopped for good
+    assert not rule.should_update()  # stopped (no re-arm asked for)
+
+
+def test_stopping_rule_rearms_when_the_traffic_moves_on():
+    rule = StoppingRule(window=2, patience=1, epsilon=0.01, rearm=0.2)
+    for rate in (0.6, 0.6):
+        rule.observe(rate)
+    assert rule.should_update() and not rule.should_update() and rule.stopped  # best 0.6, then no gain
+    rule.observe(0.1)
+    assert not rule.should_update()  # 0.35: below 0.6 - 0.2, but the window still holds pre-stop traffic
+    rule.observe(0.3)
+    assert rule.should_update() and not rule.stopped and rule.rearmed == 1  # a full new window at 0.2: learn again
+    assert rule.best == pytest.approx(0.2)
+    rule.observe(0.5)
+    assert rule.should_update() and rule.stale == 0  # 0.4 beats the new level
+    assert not rule.should_update() and rule.stopped  # and stalls again
+    rule.observe(0.45)
+    assert not rule.should_update()  # within `rearm` of 0.4: stays stopped
 
 
 @pytest.mark.parametrize("kind", ["draft", "eagle"])

@@ -159,3 +159,10 @@ def test_unknown_data_key_fails_at_start(tmp_path, tiny_assets, tiny_target_dir)
     cfg = prepare_cfg(tmp_path, tiny_assets, tiny_target_dir, num_trian=5)
     with pytest.raises(ConfigError, match="num_trian"):
         prepare_stage.run(cfg)
+
+
+def test_a_missing_prompt_split_names_the_stage_to_run(tmp_path):
+    from specdistill.stages.common import load_prompts
+
+    with pytest.raises(FileNotFoundError, match=r"val is missing: run the prepare stage first \(`dvc repro prepare`\)"):
+        load_prompts(tmp_path, "val")

@@ -106,9 +106,12 @@ class MedusaProposer:
             self.hidden = features[-1]
         if self.hidden is None:
             return None
+        depth = min(self.depth, max_depth)  # only the heads the tree reaches (a head is an N x H matmul)
         param = next(self.heads.parameters())
-        logits = self.heads(self.hidden.to(param.device, param.dtype))[: self.depth]  # [depth, N]
+        h = self.hidden.to(param.device, param.dtype)
+        logits = torch.stack([self.heads.head(k, h) for k in range(1, depth + 1)])  # [depth, N]
         top = torch.topk(logits.float(), self.topk, dim=-1).indices.cpu()  # [depth, topk]
         if self.d2t is not None:
             top = self.d2t[top]
-        return DraftTree(top[self.head_of, self.rank_of], self.parents.clone())
+        n = int((self.head_of < depth).sum())  # choices are sorted by length: the nodes within depth lead
+        return DraftTree(top[self.head_of[:n], self.rank_of[:n]], self.parents[:n].clone())

@@ -18,7 +18,7 @@ the distribution of x_{t+2}; fed its own output, it drafts further steps.
   target state: what training-time test unrolls.
 
 The KV cache of the head is the decoder's `PreallocatedCache` with one layer. Saved as
-`eagle.safetensors` + `eagle_config.json` (`save_eagle`); `export.py` writes the EAGLE-3 layout
+`eagle.safetensors` + `eagle_config.json` (`save_eagle`, via heads_io); `write_eagle3_layout` adds the EAGLE-3 layout
 serving engines load.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from specdistill.io import atomic_path
+from specdistill.models.heads_io import read_heads, write_heads
 
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "eagle.safetensors"
@@ -205,14 +206,8 @@ def build_eagle(target: Any, variant: str, feature_layers: list[int], d2t: torch
 
 
 def save_eagle(head: EagleHead, out_dir: str | Path, extra: dict[str, Any] | None = None) -> None:
-    from safetensors.torch import save_file
-
     with atomic_path(out_dir, is_dir=True) as tmp:
-        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS_FILE))
-        (tmp / CONFIG_FILE).write_text(json.dumps(asdict(head.cfg), indent=2, sort_keys=True) + "\n")
-        if extra:
-            (tmp / "specdistill.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str) + "\n")
+        write_heads(tmp, head, head.cfg, CONFIG_FILE, WEIGHTS_FILE, extra)
         if head.cfg.variant == "eagle3":  # beside ours, the layout EAGLE-3 serving engines load
             write_eagle3_layout(head, tmp / EXPORT_DIR)
 
@@ -270,19 +265,11 @@ def load_eagle3_layout(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
 def load_eagle(path: str | Path, target: Any, dtype: torch.dtype = torch.float32,
                target_fingerprint: str | None = None) -> EagleHead:
     """A head saved by `save_eagle`, wired to `target`'s embeddings; refused for another target."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not (path / CONFIG_FILE).exists():
-        raise EagleError(f"no EAGLE head at {path}: train one first (`dvc repro train@eagle`) or fix eval.eagle_path")
-    cfg = EagleConfig(**json.loads((path / CONFIG_FILE).read_text()))
-    if target_fingerprint and cfg.target_fingerprint and cfg.target_fingerprint != target_fingerprint:
-        raise EagleError(f"the EAGLE head at {path} was trained on target {cfg.target_fingerprint}, not this one "
-                         f"({target_fingerprint}): it reads the target's hidden states, so retrain it")
+    cfg, state = read_heads(path, EagleConfig, CONFIG_FILE, WEIGHTS_FILE, EagleError, "EAGLE head", "train@eagle",
+                            target_fingerprint)
     if cfg.vocab_size != target.get_input_embeddings().weight.shape[0]:
         raise EagleError(f"the EAGLE head at {path} drafts for a {cfg.vocab_size}-token vocabulary, the target has "
                          f"{target.get_input_embeddings().weight.shape[0]}: it must share the target's tokenizer")
-    state = load_file(str(path / WEIGHTS_FILE))
     head = EagleHead(cfg, target.get_input_embeddings(), d2t=state.get("d2t"))
     missing, unexpected = head.load_state_dict(state, strict=False)
     if [m for m in missing if "rotary" not in m] or unexpected:

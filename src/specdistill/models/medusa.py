@@ -18,7 +18,7 @@ fingerprint, K and n; `tree.json` beside them holds the trees built from the mea
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from specdistill.io import atomic_path
+from specdistill.models.heads_io import read_heads, write_heads
 
 CONFIG_FILE = "medusa_config.json"
 WEIGHTS_FILE = "medusa.safetensors"
@@ -101,30 +102,16 @@ def build_medusa(target: Any, num_heads: int, num_layers: int, d2t: torch.Tensor
 def save_medusa(heads: MedusaHeads, out_dir: str | Path, extra: dict[str, Any] | None = None,
                 trees: dict[str, Any] | None = None) -> None:
     """The heads folder, written atomically: config, weights (+ d2t), trees, training settings."""
-    from safetensors.torch import save_file
-
     with atomic_path(out_dir, is_dir=True) as tmp:
-        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS_FILE))
-        (tmp / CONFIG_FILE).write_text(json.dumps(asdict(heads.cfg), indent=2, sort_keys=True) + "\n")
+        write_heads(tmp, heads, heads.cfg, CONFIG_FILE, WEIGHTS_FILE, extra)
         if trees is not None:
             (tmp / TREE_FILE).write_text(json.dumps(trees, indent=2, sort_keys=True) + "\n")
-        if extra:
-            (tmp / "specdistill.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def load_medusa(path: str | Path, dtype: torch.dtype = torch.float32, target_fingerprint: str | None = None) -> MedusaHeads:
     """Heads saved by `save_medusa`; refused when they were trained on another target."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not (path / CONFIG_FILE).exists():
-        raise MedusaError(f"no Medusa heads at {path}: train them first (`dvc repro train@medusa`) or fix eval.medusa_path")
-    cfg = MedusaConfig(**json.loads((path / CONFIG_FILE).read_text()))
-    if target_fingerprint and cfg.target_fingerprint and cfg.target_fingerprint != target_fingerprint:
-        raise MedusaError(f"the Medusa heads at {path} were trained on target {cfg.target_fingerprint}, not this one "
-                          f"({target_fingerprint}): heads read the target's hidden states, so retrain them")
-    state = load_file(str(path / WEIGHTS_FILE))
+    cfg, state = read_heads(path, MedusaConfig, CONFIG_FILE, WEIGHTS_FILE, MedusaError, "Medusa heads",
+                            "train@medusa", target_fingerprint)
     heads = MedusaHeads(cfg, d2t=state.get("d2t"))
     heads.load_state_dict(state)
     return heads.to(dtype).eval().requires_grad_(False)
@@ -135,9 +122,3 @@ def load_trees(path: str | Path) -> dict[str, Any]:
     if not f.exists():
         raise MedusaError(f"{f} is missing: train@medusa writes the trees beside the heads; or give eval.medusa_choices")
     return json.loads(f.read_text())
-
-
-def parameter_bytes(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
-    """(parameters, bytes at `dtype`) of the weights a decoder holds for this module."""
-    n = sum(p.numel() for p in module.parameters())
-    return n, n * torch.finfo(dtype).bits // 8

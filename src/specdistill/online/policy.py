@@ -30,6 +30,7 @@ class OnlineConfig:
     window: int = 16  # requests in the moving acceptance window
     patience: int = 3  # updates without a gain of `epsilon` in the window before updating stops
     epsilon: float = 0.005
+    rearm: float = 0.1  # updating resumes once a full window falls this far below the best one (0: never)
     save_every: int = 1  # keep every N-th deployed version (safetensors, with its request count)
     seed: int = 0
 
@@ -40,6 +41,8 @@ class OnlineConfig:
             raise ValueError(f"online.scenario={self.scenario!r}: use code or chat")
         if min(self.requests, self.update_every, self.steps, self.batch_size, self.window, self.patience) < 1:
             raise ValueError("online requests, update_every, steps, batch_size, window and patience must be >= 1")
+        if self.rearm < 0:
+            raise ValueError(f"online.rearm={self.rearm} must be >= 0 (0: never resume after stopping)")
         for key in ("replay_accepted", "replay_offline"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"online.{key}={getattr(self, key)} must be in [0, 1]")
@@ -47,26 +50,35 @@ class OnlineConfig:
 
 class StoppingRule:
     """Stop updating once `patience` updates in a row have not raised the moving-window acceptance by
-    `epsilon` over the best window seen: the draft has learnt what this traffic teaches."""
+    `epsilon` over the best window seen: the draft has learnt what this traffic teaches. Re-arm once the
+    window falls `rearm` below that best: the traffic has moved on (a new kind of request), so learn again."""
 
-    def __init__(self, window: int, patience: int, epsilon: float):
+    def __init__(self, window: int, patience: int, epsilon: float, rearm: float = 0.0):
         self.rates: deque[float] = deque(maxlen=window)
-        self.patience, self.epsilon = patience, epsilon
+        self.patience, self.epsilon, self.rearm = patience, epsilon, rearm
         self.best = float("-inf")
         self.stale = 0
         self.stopped = False
+        self.rearmed = 0  # times updating resumed after a stop
+        self.since_stop = 0  # requests observed since the last stop
 
     def observe(self, rate: float) -> None:
         self.rates.append(rate)
+        self.since_stop += self.stopped
 
     @property
     def current(self) -> float:
         return sum(self.rates) / len(self.rates) if self.rates else 0.0
 
     def should_update(self) -> bool:
-        """Called when an update is due; False once stopped."""
+        """Called when an update is due; False while stopped."""
         if self.stopped:
-            return False
+            if not (self.rearm > 0 and self.since_stop >= self.rates.maxlen and self.current < self.best - self.rearm):
+                return False
+            # a full window of requests since the stop sits well below the best: start over from its level
+            self.stopped, self.stale, self.best, self.since_stop = False, 0, self.current, 0
+            self.rearmed += 1
+            return True
         if self.current > self.best + self.epsilon:
             self.best, self.stale = self.current, 0
         else:

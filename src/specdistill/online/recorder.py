@@ -47,7 +47,9 @@ class RequestRecord:
         self.tokens = self.tokens[: self.prompt_len] + list(output)
         keep = [i for i, t in enumerate(self.positions) if t + 1 < len(self.tokens)]
         for name in ("positions", "accepted", "topk_ids", "topk_logprobs"):
-            setattr(self, name, [getattr(self, name)[i] for i in keep])
+            values = getattr(self, name)
+            if values:  # the top-k lists are empty when the server was not learning
+                setattr(self, name, [values[i] for i in keep])
         return self
 
 
@@ -56,6 +58,7 @@ class RecordingVerifier:
 
     def __init__(self, inner: Any, topk: int = 256):
         self.inner, self.topk = inner, topk
+        self.keep_topk = True  # False: judge the draft only (a server that is not learning needs no teacher)
         self.record = RequestRecord()
         self._root: int | None = None
         self._tree: DraftTree | None = None
@@ -75,11 +78,12 @@ class RecordingVerifier:
         return self._logits
 
     def _keep(self, position: int, row: int, accepted: bool) -> None:
-        top = torch.topk(torch.log_softmax(self._logits[row].float(), -1), self.topk)
         self.record.positions.append(position)
         self.record.accepted.append(accepted)
-        self.record.topk_ids.append(top.indices.cpu())
-        self.record.topk_logprobs.append(top.values.cpu())
+        if self.keep_topk:
+            top = torch.topk(torch.log_softmax(self._logits[row].float(), -1), self.topk)
+            self.record.topk_ids.append(top.indices.cpu())
+            self.record.topk_logprobs.append(top.values.cpu())
 
     def commit(self, path: list[int]) -> None:
         tree, rec = self._tree, self.record

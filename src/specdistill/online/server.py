@@ -60,7 +60,8 @@ class Update:
 class OnlineLog:
     served: list[Served] = field(default_factory=list)
     updates: list[Update] = field(default_factory=list)
-    stopped_at: int | None = None
+    stopped_at: int | None = None  # requests served when updating first stopped
+    resumed_at: list[int] = field(default_factory=list)  # ... and whenever it re-armed (StoppingRule.rearm)
 
 
 class OnlineDistiller:
@@ -76,7 +77,7 @@ class OnlineDistiller:
         self.proposer = proposer
         self.verifier = RecordingVerifier(verifier, topk=cfg.topk)
         self.buffer = RejectionBuffer(cfg.buffer_tokens)
-        self.rule = StoppingRule(cfg.window, cfg.patience, cfg.epsilon)
+        self.rule = StoppingRule(cfg.window, cfg.patience, cfg.epsilon, cfg.rearm)
         self.sampling = SamplingConfig(cfg.temperature)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.log = OnlineLog()
@@ -100,6 +101,7 @@ class OnlineDistiller:
 
     def serve(self, prompt: list[int]) -> tuple[list[int], RequestRecord]:
         t0 = time.perf_counter()
+        self.verifier.keep_topk = self.learn  # the top-k of the target's rows is the teacher: only when learning
         res = speculative_generate(self.verifier, self.proposer, prompt, self.cfg.max_new_tokens, self.stops,
                                    self.sampling, self.generator)
         seconds = time.perf_counter() - t0
@@ -110,7 +112,12 @@ class OnlineDistiller:
         if self.learn:
             self.buffer.add(record)
             self._since_update += 1
+            stopped = self.rule.stopped
             if self._due() and self.rule.should_update():
+                if stopped:
+                    self.log.resumed_at.append(len(self.log.served))
+                    log.info("online: the acceptance window fell to %.3f, more than %.3f below its best: updating "
+                             "again after %d requests", self.rule.current, self.cfg.rearm, len(self.log.served))
                 self.update()
             elif self.rule.stopped and self.log.stopped_at is None:
                 self.log.stopped_at = len(self.log.served)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import platform
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -40,3 +41,13 @@ def environment() -> dict[str, Any]:
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "device": dev, "threads": torch.get_num_threads()}
+
+
+def load_prompts(prompts_dir: str | Path, split: str) -> Any:
+    """A prompt split the prepare stage wrote (a `datasets.Dataset`); a clear error when it has not run."""
+    import datasets
+
+    path = Path(prompts_dir) / split
+    if not path.is_dir():
+        raise FileNotFoundError(f"prompt split {path} is missing: run the prepare stage first (`dvc repro prepare`)")
+    return datasets.load_from_disk(str(path))

@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import datasets
-
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.medusa import MedusaProposer, grow_tree, sort_choices
@@ -23,9 +21,10 @@ from specdistill.evaluation.runner import Conversation, hf_method, our_method, r
 from specdistill.io import atomic_path, write_json
 from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
 from specdistill.models.eagle import load_eagle
-from specdistill.models.medusa import load_medusa, load_trees, parameter_bytes
+from specdistill.models.heads_io import parameter_bytes
+from specdistill.models.medusa import load_medusa, load_trees
 from specdistill.models.target import TargetConfig, load_target
-from specdistill.stages.common import ConfigError, environment, section
+from specdistill.stages.common import ConfigError, environment, load_prompts, section
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -95,10 +94,7 @@ def medusa_choices(ecfg: EvalConfig) -> list[tuple[int, ...]]:
 
 
 def load_conversations(prompts_dir: Path, name: str, n: int) -> list[Conversation]:
-    path = prompts_dir / name
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run the prepare stage first")
-    ds = datasets.load_from_disk(str(path))
+    ds = load_prompts(prompts_dir, name)
     return [Conversation(r["id"], list(r["turns"])) for r in ds.select(range(min(n, len(ds))))]
 
 

@@ -20,15 +20,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import datasets
-
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.io import atomic_path, write_json
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
-from specdistill.stages.common import ConfigError, environment, section
+from specdistill.stages.common import ConfigError, environment, load_prompts, section
 from specdistill.tracking import wandb_run
 from specdistill.training.losses import LossError, build_loss
 
@@ -39,12 +37,9 @@ STORED_TEACHER_LOSSES = ("fkl", "topk_kl", "ce")
 
 def request_prompts(prompts_dir: Path, scenario: str, tokenizer: Any, n: int) -> list[list[int]]:
     split = {"code": "humaneval", "chat": "val"}[scenario]
-    path = prompts_dir / split
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run the prepare stage first")
-    rows = datasets.load_from_disk(str(path))
+    rows = load_prompts(prompts_dir, split)
     if len(rows) < n:
-        raise ConfigError(f"online: {n} requests (requests + held_out) but {path} holds {len(rows)} prompts; "
+        raise ConfigError(f"online: {n} requests (requests + held_out) but {prompts_dir / split} holds {len(rows)} prompts; "
                           "lower online.requests / online.held_out" + (" or raise data.num_val" if split == "val" else ""))
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in rows.select(range(n))["prompt"]]
 
@@ -188,6 +183,7 @@ def summarise(frozen: OnlineLog, online: OnlineLog, ocfg: OnlineConfig, n_stream
         out[part] = {"frozen": f, "online": o, "gain": round(o["acceptance_rate"] - f["acceptance_rate"], 4)}
     out["updates"] = [asdict(u) for u in online.updates]
     out["stopped_at"] = online.stopped_at
+    out["resumed_at"] = online.resumed_at
     serve_s = sum(r.seconds for r in online.served)
     update_s = sum(u.seconds for u in online.updates)
     out["time"] = {"serve_s": round(serve_s, 2), "update_s": round(update_s, 2),

@@ -17,6 +17,7 @@ vocabulary, and val/vocab_coverage, the target's probability mass inside the dra
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,20 @@ def unroll(head: EagleHead, features: torch.Tensor, input_ids: torch.Tensor, att
     return outs
 
 
+@dataclass
+class UnrolledStep:
+    """Step `index` of a training-time-test unroll, at the anchors it scores."""
+
+    index: int
+    anchors: torch.Tensor  # [B, T] bool: anchors t whose step-i prediction has a scored target (t + i + 1)
+    scored: torch.Tensor   # [B, T] bool: those targets' positions
+    student: torch.Tensor  # [N, V'] the head's logits at the anchors (V': its draft vocabulary)
+    teacher: torch.Tensor  # [N, V] the target's logits at the scored positions
+    labels: torch.Tensor   # [N] the tokens that followed there
+    states: torch.Tensor   # [B, T, H] the head's predicted states at every anchor (what the next step reads)
+    features: torch.Tensor  # [B, T, F] the target features the unroll started from
+
+
 class EagleModule(DistillModule):
     def __init__(self, target_model: Any, head: EagleHead, ttt_steps: int = 3, step_decay: float = 0.8,
                  feature_weight: float = 1.0, ce_weight: float = 0.1, noise: float = 0.0, **kwargs: Any):
@@ -115,46 +130,46 @@ class EagleModule(DistillModule):
                                                attention_mask=batch["attention_mask"]).last_hidden_state
         return tap.concat(), self.target.get_output_embeddings()(hidden[batch["loss_mask"]]).float()
 
-    def _steps(self, batch: dict[str, torch.Tensor], steps: int, noise: float):
+    def _steps(self, batch: dict[str, torch.Tensor], steps: int, noise: float) -> Iterator[UnrolledStep]:
         mask = batch["loss_mask"]
         features, teacher = self._target_pass(batch)
         row = mask.flatten().cumsum(0).view_as(mask) - 1
         outs = unroll(self.head, features, batch["input_ids"], batch["attention_mask"], steps, noise)
         for i, out in enumerate(outs):
             anchors, scored = step_pairs(mask, i)
-            yield (i, anchors, self.head.logits(out[anchors]).float(), teacher[row[scored]], batch["labels"][scored], out,
-                   features, scored)
+            yield UnrolledStep(i, anchors, scored, self.head.logits(out[anchors]).float(), teacher[row[scored]],
+                               batch["labels"][scored], out, features)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
-        for i, anchors, s_logits, t_logits, labels, out, features, scored in self._steps(batch, self.ttt_steps, self.noise):
-            teacher = Teacher() if self.loss.name == "ce" else Teacher(logits=t_logits)
-            loss, n = self._loss(s_logits, teacher, labels)
-            weight = self.step_decay ** i * (self.ce_weight if self.variant == "eagle1" else 1.0)
+        for s in self._steps(batch, self.ttt_steps, self.noise):
+            teacher = Teacher() if self.loss.name == "ce" else Teacher(logits=s.teacher)
+            loss, n = self._loss(s.student, teacher, s.labels)
+            weight = self.step_decay ** s.index * (self.ce_weight if self.variant == "eagle1" else 1.0)
             total = total + weight * loss
-            self.log(f"train/loss_step{i}", loss, batch_size=max(n, 1))
-            if self.variant == "eagle1" and i == 0 and self.feature_weight > 0 and anchors.any():
+            self.log(f"train/loss_step{s.index}", loss, batch_size=max(n, 1))
+            if self.variant == "eagle1" and s.index == 0 and self.feature_weight > 0 and s.anchors.any():
                 # the target's own state one position on, scale-free (see models/eagle.py)
-                feat = torch.nn.functional.smooth_l1_loss(out[anchors].float(), unit_rms(features[scored]))
+                feat = torch.nn.functional.smooth_l1_loss(s.states[s.anchors].float(), unit_rms(s.features[s.scored]))
                 total = total + self.feature_weight * feat
-                self.log("train/feature_loss", feat, batch_size=int(anchors.sum()))
+                self.log("train/feature_loss", feat, batch_size=int(s.anchors.sum()))
         self.log("train/loss", total, prog_bar=True)
         return total
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         alphas, greedies, start = [], [], None
-        for i, anchors, s_logits, t_logits, labels, *_ in self._steps(batch, self.val_steps, 0.0):
-            if i == 0:
-                start = anchors
-                loss, n = self._loss(s_logits, Teacher(logits=t_logits), labels)
+        for s in self._steps(batch, self.val_steps, 0.0):
+            if s.index == 0:
+                start = s.anchors
+                loss, n = self._loss(s.student, Teacher(logits=s.teacher), s.labels)
                 if n:
                     self.val_loss.update(loss.detach(), weight=n)
-                if self.d2t is not None and len(t_logits):
-                    self.val_coverage.update(torch.softmax(t_logits, -1)[:, self.d2t].sum(-1))
-            alpha, greedy = token_acceptance(t_logits, self.to_target_vocab(s_logits))
+                if self.d2t is not None and len(s.teacher):
+                    self.val_coverage.update(torch.softmax(s.teacher, -1)[:, self.d2t].sum(-1))
+            alpha, greedy = token_acceptance(s.teacher, self.to_target_vocab(s.student))
             for grids, per in ((alphas, alpha), (greedies, greedy)):
-                grid = torch.zeros(anchors.shape, device=per.device)
-                grid[anchors] = per
+                grid = torch.zeros(s.anchors.shape, device=per.device)
+                grid[s.anchors] = per
                 grids.append(grid)
         # anchors of step i are a subset of step 0's (the response is contiguous): chains stop at its end
         self.val_unrolled.update(alphas, greedies, start)
