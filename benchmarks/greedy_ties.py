@@ -19,8 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-import datasets
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -31,7 +31,13 @@ from specdistill.decoding.loop import speculative_generate  # noqa: E402
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
 from specdistill.models.eagle import load_eagle  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment  # noqa: E402
+from specdistill.stages.common import environment, load_prompts  # noqa: E402
+
+
+def target_config(path: str, dtype: str) -> dict:
+    """The pipeline's composed target (params.yaml) at `path` and `dtype`: no second copy of its settings."""
+    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["target"]
+    return {**cfg, "name_or_path": path, "dtype": dtype}
 
 
 def main() -> None:
@@ -43,7 +49,7 @@ def main() -> None:
     ap.add_argument("--target", default=str(ROOT / "data/assets/target"))
     ap.add_argument("--prompts-dir", default=str(ROOT / "data/prompts"))
     args = ap.parse_args()
-    target = load_target({"name_or_path": args.target, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": args.dtype})
+    target = load_target(target_config(args.target, args.dtype))
     model, tok = target.model, target.tokenizer
     reference = model if args.dtype == "float32" else None
     stops = stop_ids(model, tok)
@@ -51,7 +57,7 @@ def main() -> None:
     ar_ver = TargetVerifier(model, 4096)
     spec_ver = TargetVerifier(model, 4096, proposer.feature_layers)
     rows = []
-    for conv in datasets.load_from_disk(str(Path(args.prompts_dir) / "mtbench")).select(range(args.prompts)):
+    for conv in load_prompts(args.prompts_dir, "mtbench").select(range(args.prompts)):
         text = tok.apply_chat_template([{"role": "user", "content": conv["turns"][0]}], tokenize=False,
                                        add_generation_prompt=True)
         prompt = tok(text, add_special_tokens=False)["input_ids"]
@@ -61,8 +67,7 @@ def main() -> None:
         row = {"id": conv["id"], "ar_tokens": len(ar), "spec_tokens": len(spec), "first_divergence": i}
         if i is not None:
             if reference is None:
-                reference = load_target({"name_or_path": args.target, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                         "dtype": "float32"}).model
+                reference = load_target(target_config(args.target, "float32")).model
             with torch.inference_mode():
                 logits = reference(input_ids=torch.tensor([prompt + ar[:i]])).logits[0, -1].float()
             top = torch.topk(logits, 2)
