@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import target_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -50,8 +51,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    target = load_target({"name_or_path": str(ROOT / "data/assets/target"),
-                          "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": args.dtype})
+    target = load_target(target_config(args.dtype))
     dtype = target.dtype
     context = torch.randint(100, target.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = {"target (30 layers, full head)": step_ms(target.model, context, args.steps)}

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import datasets
 import torch
+from _common import target_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.data.generation import GenerateConfig, generate_shard, stop_ids  # noqa: E402
-from specdistill.models.target import TargetConfig, load_target  # noqa: E402
+from specdistill.models.target import load_target  # noqa: E402
 from specdistill.stages.common import environment  # noqa: E402
 
 
@@ -71,8 +72,7 @@ def main() -> None:
     if not Path(args.prompts_dir).exists():
         sys.exit(f"{args.prompts_dir} is missing: run `dvc repro prepare` (or `make repro`) first")
     rows = list(datasets.load_from_disk(args.prompts_dir).select(range(args.prompts)))
-    target = load_target(TargetConfig(name_or_path=str(ROOT / "data/assets/target"),
-                                      gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=args.dtype))
+    target = load_target(target_config(args.dtype))
     model, tok = target.model, target.tokenizer
     cfg = GenerateConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, shard_size=len(rows), seed=0)

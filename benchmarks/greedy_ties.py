@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
+from _common import target_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -34,12 +34,6 @@ from specdistill.models.target import load_target  # noqa: E402
 from specdistill.stages.common import environment, load_prompts  # noqa: E402
 
 
-def target_config(path: str, dtype: str) -> dict:
-    """The pipeline's composed target (params.yaml) at `path` and `dtype`: no second copy of its settings."""
-    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["target"]
-    return {**cfg, "name_or_path": path, "dtype": dtype}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eagle", default=str(ROOT / "models/eagle"))
@@ -49,7 +43,7 @@ def main() -> None:
     ap.add_argument("--target", default=str(ROOT / "data/assets/target"))
     ap.add_argument("--prompts-dir", default=str(ROOT / "data/prompts"))
     args = ap.parse_args()
-    target = load_target(target_config(args.target, args.dtype))
+    target = load_target(target_config(args.dtype, args.target))
     model, tok = target.model, target.tokenizer
     reference = model if args.dtype == "float32" else None
     stops = stop_ids(model, tok)
@@ -67,7 +61,7 @@ def main() -> None:
         row = {"id": conv["id"], "ar_tokens": len(ar), "spec_tokens": len(spec), "first_divergence": i}
         if i is not None:
             if reference is None:
-                reference = load_target(target_config(args.target, "float32")).model
+                reference = load_target(target_config("float32", args.target)).model
             with torch.inference_mode():
                 logits = reference(input_ids=torch.tensor([prompt + ar[:i]])).logits[0, -1].float()
             top = torch.topk(logits, 2)

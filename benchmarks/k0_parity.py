@@ -21,6 +21,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from _common import target_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -38,8 +39,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
-    target = load_target({"name_or_path": str(ROOT / "data/assets/target"),
-                          "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "bfloat16"})
+    target = load_target(target_config("bfloat16"))
     tok, model = target.tokenizer, target.model
     stops = stop_ids(model, tok)
     ours = our_method("ar", model, None, args.max_new_tokens, stops, 4096, 1)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import target_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--target", default=str(ROOT / "data/assets/target"))
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    target = load_target({"name_or_path": args.target, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": args.dtype})
+    target = load_target(target_config(args.dtype, args.target))
     vocab = target.vocab_size
     context = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     verifier = TargetVerifier(target.model, capacity=args.context + 4 * args.repeats + 128)
