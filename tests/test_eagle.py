@@ -116,13 +116,13 @@ def test_unrolled_training_time_test_equals_step_by_step_drafting(target, varian
         context = ids[0, :t + 2].tolist()  # committed x_0..x_{t+1}; the anchor is t
         with torch.no_grad():
             proposer._catch_up(context, feats[0, :t + 1])
-            torch.testing.assert_close(proposer.anchor_logits, proposer._full(head.logits(outs[0][0, t])), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(proposer.anchor_logits, head.logits(outs[0][0, t]), atol=1e-4, rtol=1e-4)
             state = proposer.anchor_out
             for i in range(1, steps):
                 visible = torch.ones(1, t + 1 + i, dtype=torch.bool)
                 state, logits = proposer._run(state[None], [int(ids[0, t + i + 1])], [t + i], visible)
                 state = state[0]
-                torch.testing.assert_close(logits[0], proposer._full(head.logits(outs[i][0, t])), atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(logits[0], head.logits(outs[i][0, t]), atol=1e-4, rtol=1e-4)
 
 
 # --- decoding ---------------------------------------------------------------------------------------
@@ -142,6 +142,51 @@ def test_greedy_eagle_equals_plain_greedy(target, variant, shape):
         assert res.tokens == plain_greedy(target, prompt, 24), (prompt, shape)
         if shape == "dynamic":
             assert all(r.draft_len <= 10 for r in res.rounds)
+
+
+def _path_logp(head, context, feats, path):
+    """log q(next | committed context, path) by running the head along `path` alone (a chain: one node
+    per call, causal attention over its ancestors), independently of the tree code's batching."""
+    chain = EagleProposer(head, EagleTreeConfig(shape="chain", k=1), capacity=64)
+    chain._catch_up(context, feats)
+    state, logits = chain.anchor_out, chain.anchor_logits
+    for i, tok in enumerate(path):
+        out, lg = chain._run(state[None], [tok], [len(context) - 1 + i], torch.ones(1, len(context) + i, dtype=torch.bool))
+        state, logits = out[0], lg[0]
+    return torch.log_softmax(chain._full(logits), -1)
+
+
+@pytest.mark.parametrize("depth,top_k,total", [(3, 2, 10), (4, 3, 30), (4, 3, 10)])  # all kept, or trimmed
+def test_dynamic_tree_is_eagle2s_selection(target, depth, top_k, total):
+    """The batched tree (one head call and one top-k per level) keeps exactly the nodes EAGLE-2's rule
+    picks when every node is scored on its own: children = the top_k tokens of each expanded node,
+    expanded = the top_k nodes of a level by cumulative log-probability, kept = the best `total`.
+    A wrong parent state, mask or position in the batched code changes the tree (lossless either way,
+    so the greedy-equality tests cannot see it)."""
+    head = random_head(target, "eagle3", torch.arange(0, target.config.vocab_size, 2))
+    ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    feats = target_features(target, ids, LAYERS["eagle3"])[0]
+    context = ids[0].tolist()
+    with torch.no_grad():
+        proposer = EagleProposer(head, EagleTreeConfig(shape="dynamic", depth=depth, top_k=top_k, total_tokens=total))
+        tree = proposer.propose(context, depth, SamplingConfig(), None, feats[:-1])
+        candidates, frontier = {}, [((), 0.0)]
+        for _ in range(depth):
+            level = {}
+            for path, score in frontier:
+                top = torch.topk(_path_logp(head, context, feats[:-1], list(path)), top_k)
+                level.update({path + (t,): score + v for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)})
+            candidates.update(level)
+            frontier = sorted(level.items(), key=lambda kv: -kv[1])[:top_k]
+    want = {path for path, _ in sorted(candidates.items(), key=lambda kv: -kv[1])[:total]}
+    got = set()
+    for i in range(len(tree)):
+        path, j = [], i
+        while j >= 0:
+            path.append(int(tree.tokens[j]))
+            j = int(tree.parents[j])
+        got.add(tuple(reversed(path)))
+    assert len(tree) == total and got == want, (sorted(got), sorted(want))
 
 
 def test_a_head_that_agrees_with_the_target_is_fully_accepted(tiny_tokenizer):

@@ -66,18 +66,19 @@ class EagleProposer:
         self.cache = PreallocatedCache(1, self.capacity)
         self.committed = 0  # positions with an entry from the target's state
         self.anchor_out: torch.Tensor | None = None  # [H] predicted state at the anchor
-        self.anchor_logits: torch.Tensor | None = None  # [V] over the target's vocabulary
+        self.anchor_logits: torch.Tensor | None = None  # [N] over the head's vocabulary
 
     # --- the head on a set of new entries ---------------------------------------------------------
     def _run(self, hidden: torch.Tensor, tokens: list[int], positions: list[int], visible: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """New entries [n] (hidden [n, H]); `visible` [n, cache + n] bool. Returns (states [n, H], logits [n, V])."""
+        """New entries [n] (hidden [n, H]); `visible` [n, cache + n] bool. Returns (states [n, H], logits [n, N])
+        over the head's own vocabulary: trees rank within it and map only the chosen ids through d2t."""
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible.to(self.device), torch.finfo(self.dtype).min)
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.tensor([positions], device=self.device)
         out, logits = self.head.step(hidden[None].to(self.dtype), ids, pos, mask[None, None], self.cache)
-        return out[0], self._full(logits[0])
+        return out[0], logits[0].float()
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's logits over the target's vocabulary (-inf off a reduced head's d2t)."""
@@ -119,7 +120,7 @@ class EagleProposer:
         out, logits = self.anchor_out, self.anchor_logits
         base = self.committed
         for d in range(1, k + 1):
-            tok, q = draft_token(logits, sampling, generator)
+            tok, q = draft_token(self._full(logits), sampling, generator)
             tokens.append(tok)
             if q is not None:
                 qs.append(q)
@@ -131,32 +132,38 @@ class EagleProposer:
 
     def _grow(self, widths: list[int], keep: int | None, total: int | None = None) -> DraftTree:
         """Level by level: children of the expanded nodes; `keep` None expands every node (static tree),
-        else the `keep` best by cumulative log-probability (dynamic); `total` trims the result (dynamic)."""
+        else the `keep` best by cumulative log-probability (dynamic); `total` trims the result (dynamic).
+        A level is one head call and one batched top-k over the head's own vocabulary (a per-node top-k
+        over the target's 49k vocabulary was a quarter of the drafting time on a CPU)."""
         base = self.committed
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
         depth: list[int] = []
         entry: dict[int, int] = {}  # node -> its column in the cache (expanded nodes)
-        frontier = [(-1, self.anchor_out, torch.log_softmax(self.anchor_logits, -1), 0.0)]
+        frontier = [-1]  # the nodes whose children this level drafts; -1 is the anchor
+        states, logits = self.anchor_out[None], self.anchor_logits[None]
         for d, width in enumerate(widths, start=1):
-            level = []
-            for node, _, logp, score in frontier:
-                top = torch.topk(logp, width)
-                for lp, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                    tokens.append(tok)
-                    parents.append(node)
-                    scores.append(score + lp)
-                    depth.append(d)
-                    level.append(len(tokens) - 1)
+            logp = torch.log_softmax(logits, -1)
+            top = torch.topk(logp, min(width, logp.shape[-1]), dim=-1)
+            cum = top.values + torch.tensor([scores[i] if i >= 0 else 0.0 for i in frontier])[:, None]
+            ids = top.indices if self.d2t is None else self.d2t[top.indices]
+            first, per = len(tokens), top.indices.shape[-1]
+            tokens += ids.flatten().tolist()
+            scores += cum.flatten().tolist()
+            parents += [node for node in frontier for _ in range(per)]
+            depth += [d] * cum.numel()
             if d == len(widths):
                 break
+            level = list(range(first, len(tokens)))
             if keep is not None:
                 level = sorted(level, key=lambda i: -scores[i])[:keep]
             level = [i for i in level if scores[i] > float("-inf")]
             if not level:
                 break
-            frontier = self._expand(level, tokens, parents, depth, scores, entry, base, frontier)
+            hidden = states[[(i - first) // per for i in level]]  # each node's parent's predicted state
+            states, logits = self._expand(level, hidden, tokens, parents, depth, entry, base)
+            frontier = level
         keep_nodes = list(range(len(tokens)))
         if total is not None and len(tokens) > total:
             keep_nodes = sorted(sorted(keep_nodes, key=lambda i: -scores[i])[:total])
@@ -169,10 +176,9 @@ class EagleProposer:
             keep_nodes = sorted(kept)
         return self._tree(keep_nodes, tokens, parents, depth)
 
-    def _expand(self, level: list[int], tokens: list[int], parents: list[int], depth: list[int],
-                scores: list[float], entry: dict[int, int], base: int, frontier: list) -> list:
-        """Run the head on `level`'s nodes (one forward); returns them as the next frontier."""
-        state = {node: out for node, out, _, _ in frontier}
+    def _expand(self, level: list[int], hidden: torch.Tensor, tokens: list[int], parents: list[int],
+                depth: list[int], entry: dict[int, int], base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the head on `level`'s nodes (one forward): (their predicted states, their logits)."""
         cols = base + len(entry)
         visible = torch.zeros(len(level), cols + len(level), dtype=torch.bool)
         visible[:, :base] = True
@@ -182,11 +188,10 @@ class EagleProposer:
             while p >= 0:
                 visible[r, entry[p]] = True
                 p = parents[p]
-        hidden = torch.stack([state[parents[i]] for i in level])
-        out, logits = self._run(hidden, [tokens[i] for i in level], [base - 1 + depth[i] for i in level], visible)
+        out = self._run(hidden, [tokens[i] for i in level], [base - 1 + depth[i] for i in level], visible)
         for r, i in enumerate(level):
             entry[i] = cols + r
-        return [(i, out[r], torch.log_softmax(logits[r], -1), scores[i]) for r, i in enumerate(level)]
+        return out
 
     @staticmethod
     def _tree(keep: list[int], tokens: list[int], parents: list[int], depth: list[int]) -> DraftTree:
