@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import datasets
 import torch
 from _common import target_config
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.data.generation import GenerateConfig, generate_shard, stop_ids  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment  # noqa: E402
+from specdistill.stages.common import environment, load_prompts  # noqa: E402
 
 
 def response_tokens(seq: list[int], stops: set[int]) -> int:
@@ -65,13 +64,15 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompts-dir", default=str(ROOT / "data/prompts/train"))
+    ap.add_argument("--prompts-dir", default=str(ROOT / "data/prompts"))
+    ap.add_argument("--split", default="train")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
 
-    if not Path(args.prompts_dir).exists():
-        sys.exit(f"{args.prompts_dir} is missing: run `dvc repro prepare` (or `make repro`) first")
-    rows = list(datasets.load_from_disk(args.prompts_dir).select(range(args.prompts)))
+    try:
+        rows = list(load_prompts(args.prompts_dir, args.split).select(range(args.prompts)))
+    except FileNotFoundError as e:
+        sys.exit(str(e))
     target = load_target(target_config(args.dtype))
     model, tok = target.model, target.tokenizer
     cfg = GenerateConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,

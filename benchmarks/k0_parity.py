@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import datasets
 import torch
 from _common import target_config
 
@@ -30,7 +29,7 @@ from specdistill.data.generation import stop_ids  # noqa: E402
 from specdistill.decoding.loop import SamplingConfig  # noqa: E402
 from specdistill.evaluation.runner import hf_method, our_method  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment  # noqa: E402
+from specdistill.stages.common import environment, load_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +43,7 @@ def main() -> None:
     stops = stop_ids(model, tok)
     ours = our_method("ar", model, None, args.max_new_tokens, stops, 4096, 1)
     hf = hf_method("hf_generate", model, args.max_new_tokens, stops, tok.pad_token_id or 0)
-    rows = datasets.load_from_disk(str(ROOT / "data/prompts/mtbench")).select(range(args.prompts))
+    rows = load_prompts(ROOT / "data/prompts", "mtbench").select(range(args.prompts))
     sampling = SamplingConfig(args.temperature)
     ratios = []
     for i, row in enumerate(rows):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
-from specdistill.evaluation.accounting import Tally, expected_accepted_length
+from specdistill.evaluation.accounting import Tally, expected_accepted_length, speedup_interval
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
 from specdistill.stages import evaluate as evaluate_stage
 from specdistill.stages.prepare import save_split
@@ -23,6 +24,36 @@ def test_tally_sums_counts_before_dividing():
     assert s["tau"] == round(12 / 7, 4)  # not the mean of 2.0 and 1.0
     assert s["alpha_pos1"] == round(3 / 7, 4) and s["alpha_pos2"] == round(1 / 3, 4)
     assert s["speedup"] == 2.0
+
+
+def test_speedup_interval_is_paired_and_covers_the_true_ratio():
+    """Prompts whose lengths and times vary tenfold, each method 2x the AR speed on every prompt up to
+    5% timing noise: pairing keeps the interval tight around 2 (an unpaired one would span the prompt
+    spread); over simulated runs with a known true ratio, the 95% interval covers it about 95% of the time."""
+    rng = np.random.default_rng(1)
+
+    def run(n, ratio=2.0, noise=0.05):
+        ar_s = rng.uniform(0.5, 5.0, n)
+        tokens = (ar_s * 20).astype(int) + 1
+        spec_s = ar_s / ratio * rng.lognormal(-noise**2 / 2, noise, n)  # mean-one noise: the true ratio is `ratio`
+        return list(zip(tokens, spec_s, strict=True)), list(zip(tokens, ar_s, strict=True))
+
+    spec, ar = run(10)
+    lo, hi = speedup_interval(spec, ar)
+    t = Tally()
+    for tok, sec in spec:
+        t.add(int(tok), float(sec))
+    a = Tally()
+    for tok, sec in ar:
+        a.add(int(tok), float(sec))
+    s = t.summary(a)
+    assert 1.85 < lo <= s["speedup"] <= hi < 2.15 and s["speedup_ci95"] == [lo, hi]
+    assert speedup_interval(spec, ar[:-1]) is None  # unpaired: no interval
+    covered = 0
+    for _ in range(200):
+        lo, hi = speedup_interval(*run(10, noise=0.2), seed=int(rng.integers(1 << 30)), resamples=500)
+        covered += lo <= 2.0 <= hi
+    assert 0.85 <= covered / 200 <= 0.99, covered
 
 
 def test_expected_accepted_length():

@@ -4,12 +4,19 @@
 - alpha_pos{k}: accepted / attempted at draft position k, given positions < k were accepted.
 - tokens_per_s: tokens / seconds; speed-up: a method's tokens/s over AR's on the same prompts in the
   same run (equal to the ratio of wall times at temperature 0, where both emit the same tokens).
+- speedup_ci95: a 95% paired bootstrap interval of that ratio over the generations (each resample
+  draws generations with their AR twin, then sums and divides as above): how much the figure owes
+  to which prompts were drawn and to timing noise within the run. Drift between runs is not in it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+import numpy as np
+
+BOOTSTRAP_RESAMPLES = 2000
 
 
 @dataclass
@@ -24,11 +31,13 @@ class Tally:
     generations: int = 0
     alpha_exact: list[float] = field(default_factory=list)  # sum min(p, q) at the first draft position
     kl: list[float] = field(default_factory=list)
+    per_generation: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds), in run order
 
     def add(self, tokens: int, seconds: float, forwards: int = 0, attempts: list[int] | None = None,
             accepts: list[int] | None = None, draft_s: float = 0.0, verify_s: float = 0.0,
             alpha_exact: list[float] | None = None, kl: list[float] | None = None) -> None:
         self.generations += 1
+        self.per_generation.append((tokens, seconds))
         self.tokens += tokens
         self.seconds += seconds
         self.forwards += forwards
@@ -63,7 +72,24 @@ class Tally:
             out["drafted_positions"] = len(self.alpha_exact)
         if ar is not None and ar.tokens and self.seconds:
             out["speedup"] = round(out["tokens_per_s"] / (ar.tokens / ar.seconds), 4)
+            interval = speedup_interval(self.per_generation, ar.per_generation)
+            if interval is not None:
+                out["speedup_ci95"] = interval
         return out
+
+
+def speedup_interval(runs: list[tuple[int, float]], ar: list[tuple[int, float]], seed: int = 0,
+                     resamples: int = BOOTSTRAP_RESAMPLES) -> list[float] | None:
+    """[2.5%, 97.5%] of the ratio of tokens/s over paired bootstrap resamples; None without pairs
+    (the runner adds every method's generations in the same order, so index i is the same prompt)."""
+    if len(runs) != len(ar) or len(runs) < 2:
+        return None
+    x, a = np.asarray(runs, dtype=float), np.asarray(ar, dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
+    xs, as_ = x[idx].sum(axis=1), a[idx].sum(axis=1)  # [resamples, 2]: (tokens, seconds)
+    ratios = (xs[:, 0] / xs[:, 1]) / (as_[:, 0] / as_[:, 1])
+    lo, hi = np.quantile(ratios, [0.025, 0.975])
+    return [round(float(lo), 4), round(float(hi), 4)]
 
 
 def expected_accepted_length(alpha: float, k: int) -> dict[str, float]:

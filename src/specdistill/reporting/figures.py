@@ -36,14 +36,18 @@ def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) ->
 
 
 def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
-    labels, values = [], []
+    labels, values, errors = [], [], []
     for name, dataset, temp, m in settings(all_metrics):
         for key in ("hf_generate", "spec", "hf_assisted"):
             if key in m and "speedup" in m[key]:
                 labels.append(f"{name}:{key}\n{dataset} {temp}")
-                values.append(m[key]["speedup"])
+                v = m[key]["speedup"]
+                values.append(v)
+                lo, hi = m[key].get("speedup_ci95") or (v, v)
+                errors.append((v - lo, hi - v))  # the 95% bootstrap interval over prompts, where measured
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(values)), 4))
-    ax.bar(range(len(values)), values, color=["tab:blue" if ":spec" in lab else "tab:gray" for lab in labels])
+    ax.bar(range(len(values)), values, yerr=list(zip(*errors, strict=True)) if errors else None, capsize=2,
+           color=["tab:blue" if ":spec" in lab else "tab:gray" for lab in labels])
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=6)
     ax.set(ylabel="tokens/s over our AR loop", title="Speed-up (same prompts, same process)")

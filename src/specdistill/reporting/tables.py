@@ -17,6 +17,14 @@ def _fmt(v: Any, digits: int = 2) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def speedup_cell(s: dict[str, Any]) -> str:
+    """The speed-up with its 95% paired bootstrap interval over prompts where the run measured one."""
+    if s.get("speedup") is None:
+        return "–"
+    ci = s.get("speedup_ci95")
+    return f"{s['speedup']:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+
+
 def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
     s = metrics["settings"]
     if metrics["method"] == "lookup":
@@ -39,7 +47,7 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
 
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     """Seconds in the draft and in target verification per speculative run: where a draft's cost shows."""
-    lines = ["| evaluated | setting | draft parameters | draft s | verify s | draft share | tau | speed-up vs AR |",
+    lines = ["| evaluated | setting | draft parameters | draft s | verify s | draft share | tau | speed-up vs AR (95% CI) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, dataset, temp, m in settings(all_metrics):
         s = m.get("spec", {})
@@ -48,12 +56,12 @@ def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
         total = s["draft_s"] + s["verify_s"]
         params = all_metrics[name]["settings"].get("draft_parameters")
         lines.append(f"| {name} | {dataset}/{temp} | {f'{params / 1e6:.1f}M' if params else '–'} | {s['draft_s']:.2f} | "
-                     f"{s['verify_s']:.2f} | {s['draft_s'] / total:.0%} | {_fmt(s.get('tau'))} | {_fmt(s.get('speedup'))}x |")
+                     f"{s['verify_s']:.2f} | {s['draft_s'] / total:.0%} | {_fmt(s.get('tau'))} | {speedup_cell(s)} |")
     return lines
 
 
 def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: str) -> list[str]:
-    lines = ["| evaluated | method | draft | loss | alpha_pos1 | tau | tokens/s | speed-up vs AR | vs HF assisted |",
+    lines = ["| evaluated | method | draft | loss | alpha_pos1 | tau | tokens/s | speed-up vs AR (95% CI) | vs HF assisted |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, metrics in sorted(all_metrics.items()):
         m = metrics["results"].get(dataset, {}).get(temp)
@@ -68,7 +76,7 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
             vs_hf = _fmt(s.get("speedup_vs_hf_assisted")) + "x" if key == "spec" and "speedup_vs_hf_assisted" in s else "–"
             lines.append(f"| {name} | {label} | {draft if key in ('spec', 'hf_assisted') else '–'} | "
                          f"{loss if key == 'spec' else '–'} | {_fmt(s.get('alpha_pos1'))} | {_fmt(s.get('tau'))} | "
-                         f"{_fmt(s['tokens_per_s'], 1)} | {_fmt(s.get('speedup'))}x | {vs_hf} |")
+                         f"{_fmt(s['tokens_per_s'], 1)} | {speedup_cell(s)} | {vs_hf} |")
     return lines
 
 
