@@ -13,7 +13,8 @@ def metrics(method: str, alphas: list[float], tau: float, ci: list[float] | None
     spec = {"tokens": 64, "seconds": 2.0, "tokens_per_s": 32.0, "tau": tau, "speedup": 1.6,
             **({"speedup_ci95": ci} if ci else {}),
             "speedup_vs_hf_assisted": 2.1, **{f"alpha_pos{k}": a for k, a in enumerate(alphas, start=1)}}
-    setting = {"ar": {"tokens": 64, "seconds": 3.2, "tokens_per_s": 20.0, "tau": 1.0, "speedup": 1.0},
+    setting = {"ar": {"tokens": 64, "seconds": 3.2, "tokens_per_s": 20.0, "tau": 1.0, "speedup": 1.0,
+                      "speedup_ci95": [1.0, 1.0]},
                "hf_generate": {"tokens": 64, "seconds": 4.0, "tokens_per_s": 16.0, "speedup": 0.8},
                "spec": spec}
     return {"method": method, "settings": {"k": len(alphas), "dtype": "bfloat16", "prompts": {"mtbench": 2},
@@ -34,6 +35,7 @@ def test_report_writes_tables_figures_and_the_formula_check(tmp_path, monkeypatc
     (tmp_path / "metrics/lookup.json").write_text(json.dumps(metrics("lookup", [0.5, 0.5], 1.4)))
     text = render(tmp_path, monkeypatch)
     assert "| 1.60x (1.41-1.83) |" in text and "| 1.60x |" in text  # with its interval where measured
+    assert "| 1.00x |" in text  # AR's own row: 1 by construction, no interval
     assert "## mtbench, temperature 0" in text and "speculative (draft)" in text and "speculative (lookup)" in text
     assert "| 2.10x |" in text  # vs HF assisted
     # eq. 2: chained measured alphas 1 + .8 + .4 + .2 + .04 = 2.44; truncated sum with alpha_pos1 = 1+.8+.64+.512+.4096

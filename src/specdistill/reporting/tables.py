@@ -17,11 +17,12 @@ def _fmt(v: Any, digits: int = 2) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def speedup_cell(s: dict[str, Any]) -> str:
-    """The speed-up with its 95% paired bootstrap interval over prompts where the run measured one."""
+def speedup_cell(s: dict[str, Any], interval: bool = True) -> str:
+    """The speed-up with its 95% paired bootstrap interval over prompts where the run measured one
+    (not on AR's own row, where it is 1 by construction)."""
     if s.get("speedup") is None:
         return "–"
-    ci = s.get("speedup_ci95")
+    ci = s.get("speedup_ci95") if interval else None
     return f"{s['speedup']:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
 
 
@@ -76,7 +77,7 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
             vs_hf = _fmt(s.get("speedup_vs_hf_assisted")) + "x" if key == "spec" and "speedup_vs_hf_assisted" in s else "–"
             lines.append(f"| {name} | {label} | {draft if key in ('spec', 'hf_assisted') else '–'} | "
                          f"{loss if key == 'spec' else '–'} | {_fmt(s.get('alpha_pos1'))} | {_fmt(s.get('tau'))} | "
-                         f"{_fmt(s['tokens_per_s'], 1)} | {speedup_cell(s)} | {vs_hf} |")
+                         f"{_fmt(s['tokens_per_s'], 1)} | {speedup_cell(s, interval=key != 'ar')} | {vs_hf} |")
     return lines
 
 
