@@ -117,6 +117,22 @@ def test_evaluate_stage_writes_metrics_and_plots(tmp_path, tiny_target_dir, tiny
     assert (tmp_path / "plots/draft/speed.csv").exists()
 
 
+def test_evaluate_stage_writes_where_paths_say(tmp_path, tiny_target_dir, monkeypatch):
+    """paths.metrics_dir / paths.plots_dir move the outputs, as they do for online and report."""
+    rows = [{"id": "0", "messages": [{"role": "user", "content": "Hi"}], "source": "mtbench", "category": "x",
+             "reference": "", "turns": ["Hi"], "prompt": "", "prompt_tokens": 1}]
+    save_split(rows, tmp_path / "prompts/mtbench")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts"), "metrics_dir": str(tmp_path / "side/m"),
+                     "plots_dir": str(tmp_path / "side/p")}, "logger": {"enabled": False},
+           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+           "eval": {"method": "lookup", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 4,
+                    "temperatures": [0.0], "hf_baselines": False}}
+    evaluate_stage.run(cfg)
+    assert (tmp_path / "side/m/lookup.json").exists() and (tmp_path / "side/p/lookup/speed.csv").exists()
+    assert not (tmp_path / "metrics").exists() and not (tmp_path / "plots").exists()
+
+
 def test_unknown_method_fails_at_start():
     from specdistill.stages.common import ConfigError
 

@@ -170,7 +170,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     with wandb_run(cfg.get("logger"), job_type=f"evaluate-{name}", group=group, config=cfg) as wb:
         res = run_benchmark(methods, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
         metrics = summarise(res, ecfg.method, settings)
-        write_outputs(metrics, res, name, Path("metrics"), Path("plots"))
+        paths = cfg.get("paths") or {}
+        write_outputs(metrics, res, name, Path(paths.get("metrics_dir", "metrics")), Path(paths.get("plots_dir", "plots")))
         log_wandb(wb, metrics)
     for ds_name, temps in metrics["results"].items():
         for temp, m in temps.items():
