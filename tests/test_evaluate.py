@@ -49,6 +49,7 @@ def test_speedup_interval_is_paired_and_covers_the_true_ratio():
     s = t.summary(a)
     assert 1.85 < lo <= s["speedup"] <= hi < 2.15 and s["speedup_ci95"] == [lo, hi]
     assert speedup_interval(spec, ar[:-1]) is None  # unpaired: no interval
+    assert speedup_interval([(0, 1.0), (0, 1.0)], [(0, 1.0), (0, 1.0)]) is None  # no tokens: no ratio, not NaN
     covered = 0
     for _ in range(200):
         lo, hi = speedup_interval(*run(10, noise=0.2), seed=int(rng.integers(1 << 30)), resamples=500)

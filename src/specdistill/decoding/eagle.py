@@ -146,7 +146,8 @@ class EagleProposer:
         for d, width in enumerate(widths, start=1):
             logp = torch.log_softmax(logits, -1)
             top = torch.topk(logp, min(width, logp.shape[-1]), dim=-1)
-            cum = top.values + torch.tensor([scores[i] if i >= 0 else 0.0 for i in frontier])[:, None]
+            prior = torch.tensor([scores[i] if i >= 0 else 0.0 for i in frontier], device=top.values.device)
+            cum = top.values + prior[:, None]  # (on the head's device: a GPU run must not mix in a CPU tensor)
             ids = top.indices if self.d2t is None else self.d2t[top.indices]
             first, per = len(tokens), top.indices.shape[-1]
             tokens += ids.flatten().tolist()

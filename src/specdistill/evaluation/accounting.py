@@ -7,6 +7,8 @@
 - speedup_ci95: a 95% paired bootstrap interval of that ratio over the generations (each resample
   draws generations with their AR twin, then sums and divides as above): how much the figure owes
   to which prompts were drawn and to timing noise within the run. Drift between runs is not in it.
+  The unit is a turn: an MT-bench second turn follows each method's own first answer, and the two
+  turns of a conversation are resampled independently, so the interval is if anything a little narrow.
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ def speedup_interval(runs: list[tuple[int, float]], ar: list[tuple[int, float]],
     x, a = np.asarray(runs, dtype=float), np.asarray(ar, dtype=float)
     idx = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
     xs, as_ = x[idx].sum(axis=1), a[idx].sum(axis=1)  # [resamples, 2]: (tokens, seconds)
-    ratios = (xs[:, 0] / xs[:, 1]) / (as_[:, 0] / as_[:, 1])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = (xs[:, 0] / xs[:, 1]) / (as_[:, 0] / as_[:, 1])
+    ratios = ratios[np.isfinite(ratios)]  # a resample of only empty generations has no ratio
+    if not len(ratios):
+        return None
     lo, hi = np.quantile(ratios, [0.025, 0.975])
     return [round(float(lo), 4), round(float(hi), 4)]
 
