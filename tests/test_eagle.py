@@ -189,6 +189,31 @@ def test_dynamic_tree_is_eagle2s_selection(target, depth, top_k, total):
     assert len(tree) == total and got == want, (sorted(got), sorted(want))
 
 
+def test_static_tree_is_every_nodes_top_children(target):
+    """The static tree: every node's top-b_d children by its own head distribution, b_d per depth,
+    checked against the head run along each path alone (as above)."""
+    head = random_head(target, "eagle3", torch.arange(0, target.config.vocab_size, 2))
+    ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    feats = target_features(target, ids, LAYERS["eagle3"])[0]
+    context, branching = ids[0].tolist(), [3, 2, 2]
+    with torch.no_grad():
+        tree = EagleProposer(head, EagleTreeConfig(shape="static", branching=branching)).propose(
+            context, 3, SamplingConfig(), None, feats[:-1])
+        want, level = set(), [()]
+        for b in branching:
+            level = [path + (t,) for path in level
+                     for t in torch.topk(_path_logp(head, context, feats[:-1], list(path)), b).indices.tolist()]
+            want.update(level)
+    got = set()
+    for i in range(len(tree)):
+        path, j = [], i
+        while j >= 0:
+            path.append(int(tree.tokens[j]))
+            j = int(tree.parents[j])
+        got.add(tuple(reversed(path)))
+    assert len(tree) == 3 + 6 + 12 and got == want
+
+
 def test_a_head_that_agrees_with_the_target_is_fully_accepted(tiny_tokenizer):
     """Not vacuous: a target whose greedy output is always token 0 (zero LM-head weights, a bias on 0)
     and an eagle1 head whose copy of the head scores every token 0 (argmax: token 0) agree at every
