@@ -17,3 +17,15 @@ def target_config(dtype: str, path: str | Path | None = None) -> dict[str, Any]:
     the benchmarks measure the pipeline's target, so they read its settings instead of a copy."""
     cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["target"]
     return {**cfg, "name_or_path": str(path or ROOT / cfg["name_or_path"]), "dtype": dtype}
+
+
+def mtbench_first_turns(tok: Any, n: int, prompts_dir: str | Path = ROOT / "data/prompts") -> list[tuple[str, list[int]]]:
+    """(id, chat-templated token ids) of the first turns of n MT-bench conversations (the prepare stage's split)."""
+    from specdistill.stages.common import load_prompts
+
+    out = []
+    for conv in load_prompts(prompts_dir, "mtbench").select(range(n)):
+        text = tok.apply_chat_template([{"role": "user", "content": conv["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True)
+        out.append((conv["id"], tok(text, add_special_tokens=False)["input_ids"]))
+    return out

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import target_config
+from _common import mtbench_first_turns, target_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -31,7 +31,7 @@ from specdistill.decoding.loop import SamplingConfig, speculative_generate  # no
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
 from specdistill.models.eagle import load_eagle  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment, load_prompts  # noqa: E402
+from specdistill.stages.common import environment  # noqa: E402
 
 
 def record(proposer: EagleProposer, verifier: TargetVerifier, prompts: list[list[int]], max_new: int,
@@ -84,11 +84,7 @@ def main() -> None:
     model, tok = target.model, target.tokenizer
     tree = EagleTreeConfig(depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
     proposer = EagleProposer(load_eagle(args.eagle, model, dtype=model.dtype), tree)
-    prompts = []
-    for conv in load_prompts(ROOT / "data/prompts", "mtbench").select(range(args.prompts)):
-        text = tok.apply_chat_template([{"role": "user", "content": conv["turns"][0]}], tokenize=False,
-                                       add_generation_prompt=True)
-        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    prompts = [ids for _, ids in mtbench_first_turns(tok, args.prompts)]
     calls = record(proposer, TargetVerifier(model, 4096, proposer.feature_layers), prompts, args.max_new_tokens,
                    stop_ids(model, tok))
     replay(proposer, calls)  # warm-up

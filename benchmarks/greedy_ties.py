@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import target_config
+from _common import mtbench_first_turns, target_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -31,7 +31,7 @@ from specdistill.decoding.loop import speculative_generate  # noqa: E402
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
 from specdistill.models.eagle import load_eagle  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment, load_prompts  # noqa: E402
+from specdistill.stages.common import environment  # noqa: E402
 
 
 def main() -> None:
@@ -51,14 +51,11 @@ def main() -> None:
     ar_ver = TargetVerifier(model, 4096)
     spec_ver = TargetVerifier(model, 4096, proposer.feature_layers)
     rows = []
-    for conv in load_prompts(args.prompts_dir, "mtbench").select(range(args.prompts)):
-        text = tok.apply_chat_template([{"role": "user", "content": conv["turns"][0]}], tokenize=False,
-                                       add_generation_prompt=True)
-        prompt = tok(text, add_special_tokens=False)["input_ids"]
+    for conv_id, prompt in mtbench_first_turns(tok, args.prompts, args.prompts_dir):
         ar = speculative_generate(ar_ver, None, prompt, args.max_new_tokens, stops).tokens
         spec = speculative_generate(spec_ver, proposer, prompt, args.max_new_tokens, stops).tokens
         i = next((j for j, (a, b) in enumerate(zip(ar, spec, strict=False)) if a != b), None)
-        row = {"id": conv["id"], "ar_tokens": len(ar), "spec_tokens": len(spec), "first_divergence": i}
+        row = {"id": conv_id, "ar_tokens": len(ar), "spec_tokens": len(spec), "first_divergence": i}
         if i is not None:
             if reference is None:
                 reference = load_target(target_config("float32", args.target)).model

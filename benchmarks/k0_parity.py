@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import target_config
+from _common import mtbench_first_turns, target_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -29,7 +29,7 @@ from specdistill.data.generation import stop_ids  # noqa: E402
 from specdistill.decoding.loop import SamplingConfig  # noqa: E402
 from specdistill.evaluation.runner import hf_method, our_method  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment, load_prompts  # noqa: E402
+from specdistill.stages.common import environment  # noqa: E402
 
 
 def main() -> None:
@@ -43,13 +43,9 @@ def main() -> None:
     stops = stop_ids(model, tok)
     ours = our_method("ar", model, None, args.max_new_tokens, stops, 4096, 1)
     hf = hf_method("hf_generate", model, args.max_new_tokens, stops, tok.pad_token_id or 0)
-    rows = load_prompts(ROOT / "data/prompts", "mtbench").select(range(args.prompts))
     sampling = SamplingConfig(args.temperature)
     ratios = []
-    for i, row in enumerate(rows):
-        text = tok.apply_chat_template([{"role": "user", "content": row["turns"][0]}], tokenize=False,
-                                       add_generation_prompt=True)
-        prompt = tok(text, add_special_tokens=False)["input_ids"]
+    for i, (_, prompt) in enumerate(mtbench_first_turns(tok, args.prompts)):
         speed = {}
         for m in ([ours, hf] if i % 2 == 0 else [hf, ours]):
             t0 = time.perf_counter()

@@ -144,6 +144,14 @@ def test_greedy_eagle_equals_plain_greedy(target, variant, shape):
             assert all(r.draft_len <= 10 for r in res.rounds)
 
 
+def tree_paths(tree) -> set[tuple[int, ...]]:
+    """Every node of a draft tree as its token path from the root."""
+    paths: list[tuple[int, ...]] = []
+    for tok, parent in zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True):  # parents come first
+        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+    return set(paths)
+
+
 def _path_logp(head, context, feats, path):
     """log q(next | committed context, path) by running the head along `path` alone (a chain: one node
     per call, causal attention over its ancestors), independently of the tree code's batching."""
@@ -179,14 +187,26 @@ def test_dynamic_tree_is_eagle2s_selection(target, depth, top_k, total):
             candidates.update(level)
             frontier = sorted(level.items(), key=lambda kv: -kv[1])[:top_k]
     want = {path for path, _ in sorted(candidates.items(), key=lambda kv: -kv[1])[:total]}
-    got = set()
-    for i in range(len(tree)):
-        path, j = [], i
-        while j >= 0:
-            path.append(int(tree.tokens[j]))
-            j = int(tree.parents[j])
-        got.add(tuple(reversed(path)))
+    got = tree_paths(tree)
     assert len(tree) == total and got == want, (sorted(got), sorted(want))
+
+
+def test_static_tree_is_every_nodes_top_children(target):
+    """The static tree: every node's top-b_d children by its own head distribution, b_d per depth,
+    checked against the head run along each path alone (as above)."""
+    head = random_head(target, "eagle3", torch.arange(0, target.config.vocab_size, 2))
+    ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    feats = target_features(target, ids, LAYERS["eagle3"])[0]
+    context, branching = ids[0].tolist(), [3, 2, 2]
+    with torch.no_grad():
+        tree = EagleProposer(head, EagleTreeConfig(shape="static", branching=branching)).propose(
+            context, 3, SamplingConfig(), None, feats[:-1])
+        want, level = set(), [()]
+        for b in branching:
+            level = [path + (t,) for path in level
+                     for t in torch.topk(_path_logp(head, context, feats[:-1], list(path)), b).indices.tolist()]
+            want.update(level)
+    assert len(tree) == 3 + 6 + 12 and tree_paths(tree) == want
 
 
 def test_a_head_that_agrees_with_the_target_is_fully_accepted(tiny_tokenizer):
