@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -60,3 +61,12 @@ def test_capacity_overflow_is_a_clear_error(tiny_model):
     cache = PreallocatedCache(tiny_model.config.num_hidden_layers, 4)
     with pytest.raises(RuntimeError, match="capacity 4 exceeded"), torch.no_grad():
         tiny_model(input_ids=torch.ones(1, 5, dtype=torch.long), cache=cache, use_cache=True)
+
+
+def test_transformers_older_than_the_cache_keyword_is_refused():
+    from specdistill.models import require_transformers
+
+    require_transformers("5.24.0")
+    require_transformers("5.30.1")
+    with pytest.raises(ImportError, match=r"transformers>=5.24 \(found 5.23.0\).*pip install -U"):
+        require_transformers("5.23.0")

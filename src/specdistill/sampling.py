@@ -66,7 +66,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """One index per row of `probs` [..., V] by inverse CDF (float64, so no entry is skewed)."""
     shape = probs.shape
     cdf = probs.reshape(-1, shape[-1]).double().cumsum(-1)
-    u = torch.rand((cdf.shape[0], 1), generator=generator, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    # The stages seed a CPU generator per prompt; torch draws only on a generator's own device, so the
+    # uniforms come from there and move to the probabilities (one seed: the same draws on CPU and GPU).
+    where = cdf.device if generator is None else generator.device
+    u = torch.rand((cdf.shape[0], 1), generator=generator, dtype=torch.float64, device=where).to(cdf.device) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).clamp_(max=shape[-1] - 1)
     return idx.reshape(shape[:-1])
 

@@ -274,4 +274,5 @@ def load_eagle(path: str | Path, target: Any, dtype: torch.dtype = torch.float32
     missing, unexpected = head.load_state_dict(state, strict=False)
     if [m for m in missing if "rotary" not in m] or unexpected:
         raise EagleError(f"EAGLE weights at {path} do not fit its config: missing {missing}, unexpected {unexpected}")
-    return head.to(dtype).eval().requires_grad_(False)
+    # the head's own weights load on the CPU; it runs beside the target's embeddings, wherever they are
+    return head.to(device=target.get_input_embeddings().weight.device, dtype=dtype).eval().requires_grad_(False)

@@ -119,7 +119,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if ecfg.method == "medusa":  # fail on missing heads or tree before any decoding
         if not ecfg.medusa_path:
             raise ConfigError("eval.method=medusa needs eval.medusa_path (train@medusa writes models/medusa)")
-        heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint)
+        heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint).to(target.device)
         choices = medusa_choices(ecfg)
     eagle_depth = 0 if eagle is None else max(eagle.tree.k, eagle.tree.depth, len(eagle.tree.branching or []))
     max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, heads.num_heads if heads else 0, eagle_depth)
@@ -132,7 +132,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     draft_info: dict[str, Any] = {}
     if ecfg.method == "draft":
         if ecfg.draft_path:
-            draft = load_draft(ecfg.draft_path, dtype=model.dtype)
+            draft = load_draft(ecfg.draft_path, dtype=model.dtype).to(target.device)
         else:
             draft = draft_from_target(model, ecfg.draft_layers)
         check_same_vocabulary(draft, model)

@@ -54,7 +54,7 @@ def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any,
         from specdistill.models.draft_lm import check_same_vocabulary, load_draft, save_draft
         from specdistill.training.draft import DraftLMModule
 
-        draft = load_draft(path).float().requires_grad_(True)
+        draft = load_draft(path).float().to(target.device).requires_grad_(True)
         check_same_vocabulary(draft, target.model)
         draft.get_input_embeddings().requires_grad_(False)  # as offline: the target's embeddings stay
         module = DraftLMModule(target.model, draft, loss=build_loss(ocfg.loss), optimizer=torch.optim.AdamW,
@@ -88,7 +88,7 @@ def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any,
     def deploy() -> None:  # the float32 student into the serving copy (cast to the target's dtype)
         serving.load_state_dict(student.state_dict())
 
-    module.eval()
+    module.to(target.device).eval()  # a LightningModule's `device` follows; the server's Fabric reads it
     return module, proposer, deploy, save
 
 
