@@ -29,7 +29,8 @@ def test_tally_sums_counts_before_dividing():
 def test_speedup_interval_is_paired_and_covers_the_true_ratio():
     """Prompts whose lengths and times vary tenfold, each method 2x the AR speed on every prompt up to
     5% timing noise: pairing keeps the interval tight around 2 (an unpaired one would span the prompt
-    spread); over simulated runs with a known true ratio, the 95% interval covers it about 95% of the time."""
+    spread); over simulated runs of 8 generations with a known ratio, the 95% interval covers it
+    93-95% of the time (a percentile bootstrap gave 87% here, and fails the lower bound)."""
     rng = np.random.default_rng(1)
 
     def run(n, ratio=2.0, noise=0.05):
@@ -50,11 +51,8 @@ def test_speedup_interval_is_paired_and_covers_the_true_ratio():
     assert 1.85 < lo <= s["speedup"] <= hi < 2.15 and s["speedup_ci95"] == [lo, hi]
     assert speedup_interval(spec, ar[:-1]) is None  # unpaired: no interval
     assert speedup_interval([(0, 1.0), (0, 1.0)], [(0, 1.0), (0, 1.0)]) is None  # no tokens: no ratio, not NaN
-    covered = 0
-    for _ in range(200):
-        lo, hi = speedup_interval(*run(10, noise=0.2), seed=int(rng.integers(1 << 30)), resamples=500)
-        covered += lo <= 2.0 <= hi
-    assert 0.85 <= covered / 200 <= 0.99, covered
+    covered = sum(lo <= 2.0 <= hi for lo, hi in (speedup_interval(*run(8, noise=0.2)) for _ in range(1000)))
+    assert 0.91 <= covered / 1000 <= 0.975, covered
 
 
 def test_expected_accepted_length():

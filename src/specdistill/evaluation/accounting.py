@@ -4,11 +4,11 @@
 - alpha_pos{k}: accepted / attempted at draft position k, given positions < k were accepted.
 - tokens_per_s: tokens / seconds; speed-up: a method's tokens/s over AR's on the same prompts in the
   same run (equal to the ratio of wall times at temperature 0, where both emit the same tokens).
-- speedup_ci95: a 95% paired bootstrap interval of that ratio over the generations (each resample
-  draws generations with their AR twin, then sums and divides as above): how much the figure owes
-  to which prompts were drawn and to timing noise within the run. Drift between runs is not in it.
-  The unit is a turn: an MT-bench second turn follows each method's own first answer, and the two
-  turns of a conversation are resampled independently, so the interval is if anything a little narrow.
+- speedup_ci95: a 95% interval of that ratio over the generations, paired with their AR twins
+  (`speedup_interval`): how much the figure owes to which prompts were drawn and to timing noise
+  within the run. Drift between runs is not in it. The unit is a turn: an MT-bench second turn
+  follows each method's own first answer, and the two turns of a conversation are left out
+  separately, so the interval is if anything a little narrow.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-
-BOOTSTRAP_RESAMPLES = 2000
+from scipy.stats import t as student_t
 
 
 @dataclass
@@ -80,22 +79,29 @@ class Tally:
         return out
 
 
-def speedup_interval(runs: list[tuple[int, float]], ar: list[tuple[int, float]], seed: int = 0,
-                     resamples: int = BOOTSTRAP_RESAMPLES) -> list[float] | None:
-    """[2.5%, 97.5%] of the ratio of tokens/s over paired bootstrap resamples; None without pairs
-    (the runner adds every method's generations in the same order, so index i is the same prompt)."""
-    if len(runs) != len(ar) or len(runs) < 2:
+def speedup_interval(runs: list[tuple[int, float]], ar: list[tuple[int, float]],
+                     level: float = 0.95) -> list[float] | None:
+    """A `level` interval of the speed-up from paired (tokens, seconds) generations; None without pairs
+    (the runner adds every method's generations in the same order, so index i is the same prompt).
+
+    Jackknife-t on the log ratio: leave each generation out together with its AR twin, take the
+    jackknife standard error of log(speed-up), and Student's t with n - 1 degrees of freedom. With the
+    4-8 generations a set has here, a percentile bootstrap covered a known ratio only 79% / 87% of the
+    time in simulation (the test beside it); this covers ~93-94%.
+    """
+    n = len(runs)
+    if len(ar) != n or n < 2:
         return None
     x, a = np.asarray(runs, dtype=float), np.asarray(ar, dtype=float)
-    idx = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
-    xs, as_ = x[idx].sum(axis=1), a[idx].sum(axis=1)  # [resamples, 2]: (tokens, seconds)
+    x_out, a_out = x.sum(axis=0) - x, a.sum(axis=0) - a  # [n, 2]: the sums without generation i
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = (xs[:, 0] / xs[:, 1]) / (as_[:, 0] / as_[:, 1])
-    ratios = ratios[np.isfinite(ratios)]  # a resample of only empty generations has no ratio
-    if not len(ratios):
+        log_ratio = np.log((x[:, 0].sum() / x[:, 1].sum()) / (a[:, 0].sum() / a[:, 1].sum()))
+        left_out = np.log((x_out[:, 0] / x_out[:, 1]) / (a_out[:, 0] / a_out[:, 1]))
+    if not (np.isfinite(log_ratio) and np.isfinite(left_out).all()):  # no tokens left: no ratio
         return None
-    lo, hi = np.quantile(ratios, [0.025, 0.975])
-    return [round(float(lo), 4), round(float(hi), 4)]
+    se = math.sqrt((n - 1) / n * float(((left_out - left_out.mean()) ** 2).sum()))
+    q = float(student_t.ppf(0.5 + level / 2, n - 1))
+    return [round(math.exp(log_ratio - q * se), 4), round(math.exp(log_ratio + q * se), 4)]
 
 
 def expected_accepted_length(alpha: float, k: int) -> dict[str, float]:

@@ -44,8 +44,8 @@ def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
                 v = m[key]["speedup"]
                 values.append(v)
                 lo, hi = m[key].get("speedup_ci95") or (v, v)
-                # the 95% bootstrap interval over prompts, where measured; a percentile interval of a
-                # ratio can miss its point estimate, and matplotlib refuses negative error bars
+                # the 95% interval over prompts, where measured; clamped because matplotlib refuses
+                # negative error bars (an interval read from older metrics can miss its point)
                 errors.append((max(0.0, v - lo), max(0.0, hi - v)))
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(values)), 4))
     ax.bar(range(len(values)), values, yerr=list(zip(*errors, strict=True)) if errors else None, capsize=2,

@@ -18,7 +18,7 @@ def _fmt(v: Any, digits: int = 2) -> str:
 
 
 def speedup_cell(s: dict[str, Any], interval: bool = True) -> str:
-    """The speed-up with its 95% paired bootstrap interval over prompts where the run measured one
+    """The speed-up with its 95% paired interval over prompts where the run measured one
     (not on AR's own row, where it is 1 by construction)."""
     if s.get("speedup") is None:
         return "–"
