@@ -58,6 +58,15 @@ def make_model(vocab_size: int, seed: int = 0, layers: int = 2):
     return model
 
 
+def save_mtbench(prompts_dir: Path, turns: tuple[str, ...] = ("Write a poem.", "Shorter.")) -> None:
+    """One MT-bench conversation in the prompt contract, saved where the evaluate stage reads it."""
+    from specdistill.stages.prepare import save_split
+
+    rows = [{"id": "0", "messages": [{"role": "user", "content": turns[0]}], "source": "mtbench", "category": "x",
+             "reference": "", "turns": list(turns), "prompt": "", "prompt_tokens": 1}]
+    save_split(rows, prompts_dir / "mtbench")
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()

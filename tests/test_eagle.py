@@ -25,7 +25,7 @@ from specdistill.stages import train as train_stage
 from specdistill.training.eagle import EagleModule, step_pairs, unroll
 from specdistill.training.losses import build_loss
 
-from .conftest import make_model
+from .conftest import make_model, save_mtbench
 from .test_decoding import PROMPTS, V, chi2_p, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
 from .test_medusa import FeatureBigramVerifier
 from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
@@ -297,11 +297,7 @@ def test_evaluate_stage_runs_eagle(tmp_path, tiny_target_dir, monkeypatch):
     from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import evaluate as evaluate_stage
     from specdistill.stages.common import ConfigError
-    from specdistill.stages.prepare import save_split
-
-    rows = [{"id": "0", "messages": [{"role": "user", "content": "Write a poem."}], "source": "mtbench", "category": "x",
-             "reference": "", "turns": ["Write a poem.", "Shorter."], "prompt": "", "prompt_tokens": 1}]
-    save_split(rows, tmp_path / "prompts/mtbench")
+    save_mtbench(tmp_path / "prompts")
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
     head = random_head(loaded.model, "eagle3", torch.arange(100))
     head.cfg.target_fingerprint = loaded.fingerprint

@@ -13,7 +13,7 @@ from specdistill.evaluation.runner import Conversation, hf_method, our_method, r
 from specdistill.stages import evaluate as evaluate_stage
 from specdistill.stages.prepare import save_split
 
-from .conftest import make_model
+from .conftest import make_model, save_mtbench
 
 
 def test_tally_sums_counts_before_dividing():
@@ -118,9 +118,7 @@ def test_evaluate_stage_writes_metrics_and_plots(tmp_path, tiny_target_dir, tiny
 
 def test_evaluate_stage_writes_where_paths_say(tmp_path, tiny_target_dir, monkeypatch):
     """paths.metrics_dir / paths.plots_dir move the outputs, as they do for online and report."""
-    rows = [{"id": "0", "messages": [{"role": "user", "content": "Hi"}], "source": "mtbench", "category": "x",
-             "reference": "", "turns": ["Hi"], "prompt": "", "prompt_tokens": 1}]
-    save_split(rows, tmp_path / "prompts/mtbench")
+    save_mtbench(tmp_path / "prompts", ("Hi",))
     monkeypatch.chdir(tmp_path)
     cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts"), "metrics_dir": str(tmp_path / "side/m"),
                      "plots_dir": str(tmp_path / "side/p")}, "logger": {"enabled": False},

@@ -23,7 +23,7 @@ from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.stages import train as train_stage
 
-from .conftest import make_model
+from .conftest import make_model, save_mtbench
 from .test_decoding import PROMPTS
 from .test_eagle import random_head
 from .test_medusa import random_heads
@@ -127,11 +127,7 @@ def test_evaluate_stage_on_the_device(tmp_path, tiny_target_dir, monkeypatch, me
     from specdistill.models.eagle import save_eagle
     from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import evaluate as evaluate_stage
-    from specdistill.stages.prepare import save_split
-
-    rows = [{"id": "0", "messages": [{"role": "user", "content": "Write a poem."}], "source": "mtbench", "category": "x",
-             "reference": "", "turns": ["Write a poem.", "Shorter."], "prompt": "", "prompt_tokens": 1}]
-    save_split(rows, tmp_path / "prompts/mtbench")
+    save_mtbench(tmp_path / "prompts")
     ev = {"method": method, "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8, "temperatures": [0.0, 1.0]}
     if method == "eagle":
         loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
@@ -157,16 +153,10 @@ def test_online_stage_on_the_device(tmp_path, tiny_target_dir, tiny_tokenizer, m
     from specdistill.models.draft_lm import save_draft
     from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import online as online_stage
-    from specdistill.stages.prepare import save_split
 
-    from .test_online import student
+    from .test_online import save_code_prompts, student
 
-    rows = [{"id": str(i), "messages": [{"role": "user", "content": f"def f{i}(x):"}], "source": "humaneval",
-             "category": "code", "reference": "", "turns": [f"def f{i}(x):"], "prompt_tokens": 1,
-             "prompt": tiny_tokenizer.apply_chat_template([{"role": "user", "content": f"def f{i}(x): return x + {i}"}],
-                                                          tokenize=False, add_generation_prompt=True)}
-            for i in range(6)]
-    save_split(rows, tmp_path / "prompts/humaneval")
+    save_code_prompts(tiny_tokenizer, tmp_path / "prompts/humaneval")
     save_draft(student(load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32")).model),
                tmp_path / "models/draft")
     monkeypatch.chdir(tmp_path)

@@ -23,7 +23,7 @@ from specdistill.stages import train as train_stage
 from specdistill.training.losses import build_loss
 from specdistill.training.medusa import MedusaModule, head_pairs
 
-from .conftest import make_model
+from .conftest import make_model, save_mtbench
 from .test_decoding import PROMPTS, V, chi2_p, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
 from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
 
@@ -241,11 +241,7 @@ def test_medusa_refuses_a_stored_teacher(tmp_path, tiny_target_dir, generated): 
 def test_evaluate_stage_runs_medusa(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch):
     from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import evaluate as evaluate_stage
-    from specdistill.stages.prepare import save_split
-
-    rows = [{"id": "0", "messages": [{"role": "user", "content": "Write a poem."}], "source": "mtbench", "category": "x",
-             "reference": "", "turns": ["Write a poem.", "Shorter."], "prompt": "", "prompt_tokens": 1}]
-    save_split(rows, tmp_path / "prompts/mtbench")
+    save_mtbench(tmp_path / "prompts")
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
     heads = random_heads(loaded.model, 3, torch.arange(100))
     heads.cfg.target_fingerprint = loaded.fingerprint

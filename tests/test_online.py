@@ -165,18 +165,24 @@ def test_buffer_is_bounded_in_tokens(target):
     assert len(buf) == 2 and buf.tokens == 20 and int(buf.requests[0].topk_ids[0]) == 2  # oldest out first
 
 
-@pytest.mark.parametrize("scenario", ["code", "chat"])
-def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch, scenario):
-    from specdistill.models.target import TargetConfig, load_target
-    from specdistill.stages import online as online_stage
+def save_code_prompts(tok, folder, n=6):
+    """`n` short code requests in the prompt contract (the online stage serves their `prompt` text)."""
     from specdistill.stages.prepare import save_split
 
     rows = [{"id": str(i), "messages": [{"role": "user", "content": f"def f{i}(x):"}], "source": "humaneval",
              "category": "code", "reference": "", "turns": [f"def f{i}(x):"], "prompt_tokens": 1,
-             "prompt": tiny_tokenizer.apply_chat_template([{"role": "user", "content": f"def f{i}(x): return x + {i}"}],
-                                                          tokenize=False, add_generation_prompt=True)}
-            for i in range(6)]
-    save_split(rows, tmp_path / "prompts" / ("humaneval" if scenario == "code" else "val"))
+             "prompt": tok.apply_chat_template([{"role": "user", "content": f"def f{i}(x): return x + {i}"}],
+                                               tokenize=False, add_generation_prompt=True)}
+            for i in range(n)]
+    save_split(rows, folder)
+
+
+@pytest.mark.parametrize("scenario", ["code", "chat"])
+def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch, scenario):
+    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.stages import online as online_stage
+
+    save_code_prompts(tiny_tokenizer, tmp_path / "prompts" / ("humaneval" if scenario == "code" else "val"))
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
     save_draft(student(loaded.model), tmp_path / "models/draft")
     monkeypatch.chdir(tmp_path)
