@@ -81,7 +81,7 @@ def test_step0_at_t_reads_h_t_and_x_t1_and_is_scored_at_t_plus_1(target, monkeyp
         assert s.anchors[0].nonzero().flatten().tolist() == expect
         assert s.scored[0].nonzero().flatten().tolist() == [t + i + 1 for t in expect]
         for r, t in enumerate(expect):
-            torch.testing.assert_close(s.teacher[r], logits[t + i + 1].float())  # the target at t+i+1
+            torch.testing.assert_close(s.teacher.logits[r], logits[t + i + 1].float())  # the target at t+i+1
             assert int(s.labels[r]) == 10 + t + i + 2  # which predicts x_{t+i+2}
     assert seen[1][1][0, 0] == ids[0, 2] and seen[1][2][0, 0] == 1  # step 1: x_{t+2}, position t+1
 

@@ -21,15 +21,15 @@ from .conftest import ROOT
 LOSSES = ["fkl", "rkl", "jsd", "tvd", "topk_kl", "ce"]
 
 
-def write_split(folder, rows, seed, vocab):
+def write_split(folder, rows, seed, vocab, shard="shard-00000"):
     g = torch.Generator().manual_seed(seed)
     ids, plens = [], []
     for _ in range(rows):
         p, r = int(torch.randint(3, 9, (1,), generator=g)), int(torch.randint(4, 14, (1,), generator=g))
         ids.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
         plens.append(p)
-    datasets.Dataset.from_dict({"id": [str(i) for i in range(rows)], "input_ids": ids, "prompt_len": plens}) \
-        .save_to_disk(str(folder / "shard-00000"))
+    datasets.Dataset.from_dict({"id": [f"{shard}-{i}" for i in range(rows)], "input_ids": ids, "prompt_len": plens}) \
+        .save_to_disk(str(folder / shard))
 
 
 @pytest.fixture(scope="module")

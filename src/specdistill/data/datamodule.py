@@ -11,6 +11,8 @@ Batch (a dict of tensors), B sequences right-padded to T:
 - `prompt_len` Long[B], `length` Long[B] (after truncation);
 - with top-k shards: `topk_ids` Long[B, T, k] / `topk_logprobs` Float[B, T, k], row t the target's top-k for
   token t+1 at loss positions; 0 / -inf elsewhere (mask before reducing, or -inf * 0 gives NaN).
+- with a features store (train split, `features_dir`): `features` [B, T, F] the target's hidden states (zero on
+  padding) and the store's top-k in the layout above (data/features.py).
 
 Truncation to max_length keeps the prompt's LAST tokens (the turn being answered and the template's generation
 prompt) and the response's FIRST tokens, so the response's own prefix stays intact and top-k rows keep their
@@ -169,10 +171,11 @@ def next_token_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch
 class SequenceBatches(Dataset):
     """Item = a list of row indices -> the collated batch (DataLoader(batch_size=None) with BatchPlanSampler)."""
 
-    def __init__(self, ds: Any, prompt_kept: np.ndarray, response_kept: np.ndarray, pad_id: int) -> None:
-        self.ds, self.pad_id = ds, pad_id
+    def __init__(self, ds: Any, prompt_kept: np.ndarray, response_kept: np.ndarray, pad_id: int,
+                 store: Any = None) -> None:
+        self.ds, self.pad_id, self.store = ds, pad_id, store  # store: data/features.FeatureStore
         self.prompt_kept, self.response_kept = prompt_kept, response_kept
-        self.has_topk = all(c in ds.column_names for c in TOPK_COLUMNS)
+        self.has_topk = store is not None or all(c in ds.column_names for c in TOPK_COLUMNS)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -186,17 +189,24 @@ class SequenceBatches(Dataset):
         input_ids = torch.full((b, t), self.pad_id, dtype=torch.long)
         attention = torch.zeros((b, t), dtype=torch.long)
         loss_mask = torch.zeros((b, t), dtype=torch.bool)
+        stored = [self.store.row(data["id"][i], int(pk[i]), int(rk[i])) for i in range(b)] if self.store else None
         if self.has_topk:
-            k = len(data["topk_ids"][0][0])
+            k = stored[0][1].shape[-1] if stored else len(data["topk_ids"][0][0])
             topk_ids = torch.zeros((b, t, k), dtype=torch.long)
             topk_lp = torch.full((b, t, k), float("-inf"), dtype=torch.float32)
+        if stored:
+            features = torch.zeros((b, t, stored[0][0].shape[-1]), dtype=stored[0][0].dtype)
         for i in range(b):
             p, r, full_p = int(pk[i]), int(rk[i]), int(data["prompt_len"][i])
             seq = data["input_ids"][i]
             input_ids[i, :p + r] = torch.tensor(seq[full_p - p:full_p + r], dtype=torch.long)
             attention[i, :p + r] = 1
             loss_mask[i, p - 1:p + r - 1] = True
-            if self.has_topk:
+            if stored:  # the features stage's pass over exactly this span (data/features.py)
+                features[i, :p + r] = stored[i][0]
+                topk_ids[i, p - 1:p + r - 1] = stored[i][1].long()
+                topk_lp[i, p - 1:p + r - 1] = stored[i][2].float()
+            elif self.has_topk:
                 # row j of the shard is the distribution of response token j, predicted at position p-1+j
                 ids, lp = data["topk_ids"][i], data["topk_logprobs"][i]
                 if len(ids) < r or len(lp) < r:
@@ -209,6 +219,8 @@ class SequenceBatches(Dataset):
                  "length": torch.as_tensor(lengths, dtype=torch.long)}
         if self.has_topk:
             batch["topk_ids"], batch["topk_logprobs"] = topk_ids, topk_lp
+        if stored:
+            batch["features"] = features
         return batch
 
 
@@ -216,7 +228,8 @@ class DistillDataModule(pl.LightningDataModule):
     """Train / val batches for distillation from the generate stage's shards or the prompt split's references."""
 
     def __init__(self, cfg: DataConfig, generated_dir: str | Path, prompts_dir: str | Path, tokenizer: Any = None,
-                 pad_id: int = 0, world_size: int | None = None, rank: int | None = None) -> None:
+                 pad_id: int = 0, world_size: int | None = None, rank: int | None = None,
+                 features_dir: str | Path | None = None) -> None:
         super().__init__()
         cfg.validate()
         if "dataset" in (cfg.source, cfg.val_source) and tokenizer is None:
@@ -224,6 +237,12 @@ class DistillDataModule(pl.LightningDataModule):
         self.cfg, self.tokenizer, self.pad_id = cfg, tokenizer, pad_id
         self.generated_dir, self.prompts_dir = Path(generated_dir), Path(prompts_dir)
         self._world_size, self._rank = world_size, rank  # overrides for tests; else from the trainer
+        # precomputed target features and top-k for the train split (EAGLE, distill.teacher=precomputed);
+        # validation always runs the target live, so its figures are exact over the full vocabulary
+        self.features_dir = None if features_dir is None else Path(features_dir)
+        if self.features_dir is not None and cfg.source != "target":
+            raise DataError(f"precomputed features exist for the generate stage's answers only: distill.data.source="
+                            f"{cfg.source} needs distill.teacher=live")
         self.splits: dict[str, SequenceBatches] = {}
 
     # --- loading ---------------------------------------------------------------------------------
@@ -278,7 +297,12 @@ class DistillDataModule(pl.LightningDataModule):
         if len(ds) == 0:
             raise DataError(f"the {split} split of data source {source} is empty")
         pk, rk = truncated_lengths(prompt_len, length, self.cfg.max_length)
-        return SequenceBatches(ds, pk, rk, self.pad_id)
+        store = None
+        if split == "train" and self.features_dir is not None:
+            from specdistill.data.features import FeatureStore
+
+            store = FeatureStore(self.features_dir, split)
+        return SequenceBatches(ds, pk, rk, self.pad_id, store)
 
     def setup(self, stage: str | None = None) -> None:
         for split in ("train", "val"):
@@ -321,6 +345,13 @@ class DistillDataModule(pl.LightningDataModule):
             rows = ds[start:start + chunk]
             for i, (seq, p) in enumerate(zip(rows["input_ids"], rows["prompt_len"], strict=True)):
                 yield seq[p:p + int(data.response_kept[start + i])]
+
+    @property
+    def stored_layers(self) -> list[int] | None:
+        """The HiddenTap layers the train split's features store holds (None: no store, the target runs live)."""
+        self.setup()
+        store = self.splits["train"].store
+        return None if store is None else store.layers
 
     @property
     def num_train_tokens(self) -> int:

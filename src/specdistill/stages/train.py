@@ -22,7 +22,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from specdistill.data.datamodule import DataConfig, DistillDataModule
+from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
+from specdistill.data.features import check_store
 from specdistill.data.generation import stop_ids
 from specdistill.io import atomic_path, config_hash, has_stamp, write_json
 from specdistill.models.draft_lm import (
@@ -34,6 +35,7 @@ from specdistill.models.draft_lm import (
     load_draft,
     save_draft,
 )
+from specdistill.models.eagle import default_feature_layers
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
 from specdistill.training.eagle import EagleMethodConfig
@@ -176,32 +178,45 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         loss = build_loss(lcfg.name, lcfg.temperature, **(lcfg.params or {}))  # null: none (e.g. ce after jsd)
     except LossError as e:
         raise ConfigError(f"loss: {e}") from e
-    if name != "draft" and (dist.teacher != "live" or dcfg.source not in ("target", "dataset")):
+    if name != "draft" and (dist.teacher == "stored" or dcfg.source not in ("target", "dataset")):
         raise ConfigError(f"method={name} reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
                           f"(got {dist.teacher}) and distill.data.source=target or dataset (got {dcfg.source})")
+    if dist.teacher == "precomputed" and (name not in ("eagle", "eagle1") or dcfg.source != "target"):
+        raise ConfigError(f"distill.teacher=precomputed reads the features stage's store, made for EAGLE heads "
+                          f"(method=eagle/eagle1) on the generate stage's answers (distill.data.source=target); "
+                          f"got method={name}, source={dcfg.source}: use distill.teacher=live")
     if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
         raise ConfigError(f"distill.data.source={dcfg.source} trains on the draft's own samples, which have no stored "
                           "top-k: use distill.teacher=live")
-    if dist.teacher == "stored" and loss.needs_full_teacher:
-        raise ConfigError(f"loss={lcfg.name} needs the target's full distribution; distill.teacher=stored keeps only "
-                          "its top-k: use distill.teacher=live or loss=fkl/topk_kl")
+    if dist.teacher in ("stored", "precomputed") and loss.needs_full_teacher:
+        raise ConfigError(f"loss={lcfg.name} needs the target's full distribution; distill.teacher={dist.teacher} keeps "
+                          "only its top-k: use distill.teacher=live or loss=fkl/topk_kl")
     optimizer = hydra.utils.instantiate(dist.optimizer)
     scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
-    trainer_kwargs = dict(cfg["trainer"])
+    trainer_kwargs = {**dict(cfg["trainer"]), **dict(getattr(mcfg, "trainer", None) or {})}  # methods.<m>.trainer wins
     label = {"draft": lambda: size.name, "medusa": lambda: f"k{mcfg.num_heads}"}.get(name, lambda: mcfg.variant)()
     plan = plan_outputs(cfg, name, label, lcfg.name, dist.output)
     generated = Path(cfg["paths"]["generated_dir"])
+    data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
 
     target = load_target(tcfg)
+    features_dir = None
+    if dist.teacher == "precomputed":  # the store must fit this run: same data, target, spans and layers
+        features_dir = Path(cfg["paths"].get("features_dir", "data/features"))
+        layers = mcfg.feature_layers or default_feature_layers(mcfg.variant, target.model.config.num_hidden_layers)
+        try:
+            store = check_store(features_dir, layers, dcfg.max_length, data_stamp, target.fingerprint)
+        except DataError as e:
+            raise ConfigError(str(e)) from e
+        data_stamp = f"{data_stamp}+features:{store['fingerprint']}"  # a new store (other k, dtype) starts afresh
     stops, pad_id = stop_ids(target.model, target.tokenizer), target.tokenizer.pad_token_id or 0
     datamodule = DistillDataModule(dcfg, generated, cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer,
-                                   pad_id=pad_id)
+                                   pad_id=pad_id, features_dir=features_dir)
     datamodule.setup("fit")
     common = dict(loss=loss, optimizer=optimizer, scheduler=scheduler, teacher=dist.teacher, tau_k=dist.tau_k,
                   max_k=dist.max_k)
     built = BUILDERS[name](mcfg, size, dcfg, cfg, target, datamodule, stops, pad_id, common)
     module = built.module
-    data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
     stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size) if name == "draft" else None, "loss": asdict(lcfg), "distill": cfg["distill"],
                          "trainer": trainer_kwargs, "target": target.fingerprint, "data": data_stamp, "seed": cfg.get("seed")})
     ckpt_path, run_id = resume_point(plan.ckpt_dir, stamp)
@@ -310,7 +325,7 @@ def _build_medusa(mcfg: MedusaMethodConfig, size: DraftSize, dcfg: DataConfig, c
 def _build_eagle(mcfg: EagleMethodConfig, size: DraftSize, dcfg: DataConfig, cfg: dict[str, Any], target: Any,
                  datamodule: DistillDataModule, stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
     from specdistill.models.eagle import VARIANTS, build_eagle, load_eagle, save_eagle
-    from specdistill.training.eagle import EagleModule, default_feature_layers
+    from specdistill.training.eagle import EagleModule
 
     if mcfg.variant not in VARIANTS:
         raise ConfigError(f"methods.{mcfg.name}.variant={mcfg.variant!r}: use one of {VARIANTS}")
@@ -329,7 +344,8 @@ def _build_eagle(mcfg: EagleMethodConfig, size: DraftSize, dcfg: DataConfig, cfg
         head = build_eagle(target.model, mcfg.variant, layers, d2t, fingerprint=target.fingerprint,
                            seed=int(cfg.get("seed", 0)))
     module = EagleModule(target.model, head, ttt_steps=mcfg.ttt_steps, step_decay=mcfg.step_decay,
-                         feature_weight=mcfg.feature_weight, ce_weight=mcfg.ce_weight, noise=mcfg.noise, **common)
+                         feature_weight=mcfg.feature_weight, ce_weight=mcfg.ce_weight, noise=mcfg.noise,
+                         stored_layers=datamodule.stored_layers, **common)
 
     def save(out: Path, settings: dict[str, Any]) -> None:
         save_eagle(head.eval(), out, extra=settings)  # + eagle3/: the serving-engine layout

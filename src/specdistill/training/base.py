@@ -23,7 +23,7 @@ from specdistill.models.vocab import target_to_draft, to_target_logits
 from specdistill.training.losses import Divergence, Teacher
 from specdistill.training.metrics import AcceptanceMetric
 
-TEACHERS = ("live", "stored")
+TEACHERS = ("live", "stored", "precomputed")  # precomputed: the features stage's store (EAGLE)
 
 
 def logits_at(model: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

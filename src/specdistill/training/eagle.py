@@ -8,6 +8,10 @@ token). All anchors of a batch run in parallel: step i's queries see the step-0 
 positions <= t (causal) and their own anchor's entries of steps 1..i (a diagonal per step), which
 is exactly what the head sees while drafting (`decoding/eagle.py`; tested equal).
 
+Teacher: live (the frozen target runs on every batch) or, with distill.teacher=precomputed, the features
+stage's store (data/features.py): the same states and the target's top-k, read instead of computed.
+Validation always runs the target live.
+
 Loss: eagle3 sum_i decay^i D(p_{t+i+1} || q_i) with D from the registry (the target renormalised over
 the draft vocabulary); eagle1 SmoothL1 between the predicted and the target's unit-RMS state at t+1
 plus ce_weight * D through the target's frozen LM head, with uniform noise on the input features.
@@ -18,14 +22,14 @@ vocabulary, and val/vocab_coverage, the target's probability mass inside the dra
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torchmetrics import MeanMetric
 from transformers import DynamicCache
 
-from specdistill.models.eagle import EagleHead, unit_rms
+from specdistill.models.eagle import EagleHead, default_feature_layers, unit_rms  # noqa: F401 (re-exported)
 from specdistill.models.hidden import HiddenTap
 from specdistill.training.base import DistillModule
 from specdistill.training.losses import Teacher
@@ -44,12 +48,9 @@ class EagleMethodConfig:
     ce_weight: float = 0.1  # eagle1: weight of the token loss through the frozen LM head
     noise: float = 0.0  # uniform noise in [-noise, noise] on the (unit-RMS) input features while training
     init_from: str | None = None  # a saved head folder to continue from
-
-
-def default_feature_layers(variant: str, num_layers: int) -> list[int]:
-    """HiddenTap indices (0 = embeddings, i = output of layer i): EAGLE-3's low/middle/high default is
-    hidden_states [2, L//2, L-3], as the reference code and vLLM/SGLang take when none are given."""
-    return [num_layers] if variant == "eagle1" else [2, num_layers // 2, num_layers - 3]
+    # over the `trainer` section for this method only: with precomputed features an EAGLE step costs about
+    # half a live one, so an experiment can give EAGLE more steps in the same time (conf/experiment/)
+    trainer: dict[str, Any] = field(default_factory=dict)
 
 
 def step_pairs(mask: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +101,7 @@ class UnrolledStep:
     anchors: torch.Tensor  # [B, T] bool: anchors t whose step-i prediction has a scored target (t + i + 1)
     scored: torch.Tensor   # [B, T] bool: those targets' positions
     student: torch.Tensor  # [N, V'] the head's logits at the anchors (V': its draft vocabulary)
-    teacher: torch.Tensor  # [N, V] the target's logits at the scored positions
+    teacher: Teacher       # the target at the scored positions: live logits [N, V] or the stored top-k
     labels: torch.Tensor   # [N] the tokens that followed there
     states: torch.Tensor   # [B, T, H] the head's predicted states at every anchor (what the next step reads)
     features: torch.Tensor  # [B, T, F] the target features the unroll started from
@@ -108,8 +109,11 @@ class UnrolledStep:
 
 class EagleModule(DistillModule):
     def __init__(self, target_model: Any, head: EagleHead, ttt_steps: int = 3, step_decay: float = 0.8,
-                 feature_weight: float = 1.0, ce_weight: float = 0.1, noise: float = 0.0, **kwargs: Any):
+                 feature_weight: float = 1.0, ce_weight: float = 0.1, noise: float = 0.0,
+                 stored_layers: list[int] | None = None, **kwargs: Any):
         super().__init__(target_model, **kwargs)
+        # distill.teacher=precomputed: train batches carry the features stage's states of `stored_layers`
+        self.stored = None if stored_layers is None else [list(stored_layers).index(x) for x in head.cfg.feature_layers]
         if ttt_steps < 1 or not 0 < step_decay <= 1:
             raise ValueError(f"eagle ttt_steps={ttt_steps} must be >= 1 and step_decay={step_decay} in (0, 1]")
         self.head = head
@@ -122,13 +126,19 @@ class EagleModule(DistillModule):
         self.val_coverage = MeanMetric()
 
     @torch.no_grad()
-    def _target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the head's input features [B, T, F], the target's logits [N, V] at the scored positions)."""
+    def _target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Teacher]:
+        """(the head's input features [B, T, F], the target at the scored positions): from the features
+        stage's store when the batch carries it (no target pass), else from the frozen target, live."""
+        mask = batch["loss_mask"]
+        if "features" in batch and self.stored is not None:
+            b, t, _ = batch["features"].shape
+            features = batch["features"].view(b, t, -1, self.head.cfg.hidden_size)[:, :, self.stored].flatten(2)
+            return features, Teacher(topk_ids=batch["topk_ids"][mask], topk_logprobs=batch["topk_logprobs"][mask])
         layers = list(self.head.cfg.feature_layers)
         with HiddenTap(self.target, layers) as tap:
             hidden = self.target.get_decoder()(input_ids=batch["input_ids"],
                                                attention_mask=batch["attention_mask"]).last_hidden_state
-        return tap.concat(), self.target.get_output_embeddings()(hidden[batch["loss_mask"]]).float()
+        return tap.concat(), Teacher(logits=self.target.get_output_embeddings()(hidden[mask]).float())
 
     def _steps(self, batch: dict[str, torch.Tensor], steps: int, noise: float) -> Iterator[UnrolledStep]:
         mask = batch["loss_mask"]
@@ -137,14 +147,13 @@ class EagleModule(DistillModule):
         outs = unroll(self.head, features, batch["input_ids"], batch["attention_mask"], steps, noise)
         for i, out in enumerate(outs):
             anchors, scored = step_pairs(mask, i)
-            yield UnrolledStep(i, anchors, scored, self.head.logits(out[anchors]).float(), teacher[row[scored]],
+            yield UnrolledStep(i, anchors, scored, self.head.logits(out[anchors]).float(), teacher.select(row[scored]),
                                batch["labels"][scored], out, features)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         for s in self._steps(batch, self.ttt_steps, self.noise):
-            teacher = Teacher() if self.loss.name == "ce" else Teacher(logits=s.teacher)
-            loss, n = self._loss(s.student, teacher, s.labels)
+            loss, n = self._loss(s.student, Teacher() if self.loss.name == "ce" else s.teacher, s.labels)
             weight = self.step_decay ** s.index * (self.ce_weight if self.variant == "eagle1" else 1.0)
             total = total + weight * loss
             self.log(f"train/loss_step{s.index}", loss, batch_size=max(n, 1))
@@ -159,14 +168,15 @@ class EagleModule(DistillModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         alphas, greedies, start = [], [], None
         for s in self._steps(batch, self.val_steps, 0.0):
+            teacher = s.teacher.logits
             if s.index == 0:
                 start = s.anchors
-                loss, n = self._loss(s.student, Teacher(logits=s.teacher), s.labels)
+                loss, n = self._loss(s.student, s.teacher, s.labels)
                 if n:
                     self.val_loss.update(loss.detach(), weight=n)
-                if self.d2t is not None and len(s.teacher):
-                    self.val_coverage.update(torch.softmax(s.teacher, -1)[:, self.d2t].sum(-1))
-            alpha, greedy = token_acceptance(s.teacher, self.to_target_vocab(s.student))
+                if self.d2t is not None and len(teacher):
+                    self.val_coverage.update(torch.softmax(teacher, -1)[:, self.d2t].sum(-1))
+            alpha, greedy = token_acceptance(teacher, self.to_target_vocab(s.student))
             for grids, per in ((alphas, alpha), (greedies, greedy)):
                 grid = torch.zeros(s.anchors.shape, device=per.device)
                 grid[s.anchors] = per

@@ -1,0 +1,92 @@
+"""features: the frozen target's hidden states and top-k once per training sequence, for EAGLE training
+with `distill.teacher=precomputed` (data/features.py says what a shard holds). Resumable by shard."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from specdistill.data.datamodule import DataConfig, DataError, load_split, truncated_lengths
+from specdistill.data.features import (
+    DTYPES,
+    MANIFEST,
+    FeaturesConfig,
+    compute_features,
+    store_fingerprint,
+    write_shard,
+)
+from specdistill.data.generation import prepare_output
+from specdistill.io import write_json
+from specdistill.models.eagle import default_feature_layers
+from specdistill.models.target import TargetConfig, load_target
+from specdistill.stages.common import environment, section
+
+log = logging.getLogger(__name__)
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """What method=eagle and method=eagle1 read by default, so one store serves both."""
+    return sorted(set(default_feature_layers("eagle3", num_layers)) | set(default_feature_layers("eagle1", num_layers)))
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    fcfg = section(FeaturesConfig, dict(cfg["features"]), "features")
+    dcfg = section(DataConfig, dict(cfg["distill"]["data"]), "distill.data")
+    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    generated, out = Path(cfg["paths"]["generated_dir"]), Path(cfg["paths"]["features_dir"])
+    stamp = generated / "FINGERPRINT"
+    if not stamp.exists():
+        raise DataError(f"no generated data at {generated}: run the generate stage first (dvc repro generate)")
+    shards = {s: sorted(p for p in (generated / s).glob("shard-*") if p.is_dir()) for s in fcfg.splits}
+    for split, found in shards.items():
+        if not found:
+            raise DataError(f"no generated shards in {generated / split}: list generated splits in features.splits")
+
+    target = load_target(tcfg)
+    layers = fcfg.layers or default_layers(target.model.config.num_hidden_layers)
+    fingerprint = store_fingerprint(layers, fcfg.topk, fcfg.dtype, dcfg.max_length, target.fingerprint,
+                                    stamp.read_text().strip())
+    prepare_output(out, fingerprint)  # keeps whole shards of the same fingerprint: a killed stage resumes
+    todo = [(s, p) for s, found in shards.items() for p in found if not (out / s / f"{p.name}.safetensors").exists()]
+    log.info("%d shard(s), %d already whole, %d to compute", sum(map(len, shards.values())),
+             sum(map(len, shards.values())) - len(todo), len(todo))
+    pad_id = target.tokenizer.pad_token_id or 0
+    t0, tokens = time.perf_counter(), 0
+    for split, shard in todo:
+        ds = load_split(shard)
+        if ds is None:
+            continue
+        length = [len(x) for x in ds["input_ids"]]
+        full_p = list(ds["prompt_len"])
+        pk, rk = truncated_lengths(np.asarray(full_p, dtype=np.int64), np.asarray(length, dtype=np.int64), dcfg.max_length)
+        keep = [i for i in range(len(ds)) if length[i] > full_p[i]]  # as the data module: no empty answers
+        if len(set(ds["id"])) != len(ds):
+            raise DataError(f"{shard}: row ids repeat; the store finds rows by id")
+        order = sorted(keep, key=lambda i: int(pk[i] + rk[i]))
+        parts: dict[int, Any] = {}
+        bar = tqdm(total=len(order), unit="seq", desc=f"features {split}/{shard.name}", dynamic_ncols=True)
+        for b in range(0, len(order), fcfg.batch_size):
+            batch = order[b:b + fcfg.batch_size]
+            rows = [(ds[i]["input_ids"][full_p[i] - int(pk[i]):full_p[i] + int(rk[i])], int(pk[i]), int(rk[i])) for i in batch]
+            for i, part in zip(batch, compute_features(target.model, rows, layers, fcfg.topk, DTYPES[fcfg.dtype], pad_id),
+                               strict=True):
+                parts[i] = part
+            tokens += sum(len(s) for s, _, _ in rows)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+        bar.close()
+        write_shard(out / split / f"{shard.name}.safetensors", [ds[i]["id"] for i in keep], [int(pk[i]) for i in keep],
+                    [int(rk[i]) for i in keep], [parts[i] for i in keep])
+    elapsed = time.perf_counter() - t0
+    manifest = {"fingerprint": fingerprint, "layers": layers, "topk": fcfg.topk, "dtype": fcfg.dtype,
+                "max_length": dcfg.max_length, "target_fingerprint": target.fingerprint,
+                "generated_fingerprint": stamp.read_text().strip(), "hidden_size": target.model.config.hidden_size,
+                "splits": {s: [p.name for p in found] for s, found in shards.items()}, "environment": environment()}
+    write_json(out / MANIFEST, manifest)
+    log.info("features of %d tokens in %.1f s -> %s", tokens, elapsed, out)
+    return {**manifest, "this_run": {"shards": len(todo), "tokens": tokens, "seconds": round(elapsed, 2)}}
