@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specdistill.data.datamodule import DataConfig, DistillDataModule
+from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
 from specdistill.data.features import FeatureStore
 from specdistill.models.eagle import build_eagle
 from specdistill.models.hidden import HiddenTap
@@ -89,11 +89,12 @@ def test_eagle_trains_from_the_store_as_from_the_live_target(store, generated, t
 
 def test_train_stage_with_precomputed_features(tmp_path, store, tiny_target_dir, generated):
     cfg = stage_cfg(tmp_path, tiny_target_dir, generated, f"paths.features_dir={store}", "method=eagle",
-                    "distill.teacher=precomputed", "loss=fkl", "methods.eagle.feature_layers=[0,1,2]", "methods.eagle.vocab_size=128",
+                    "methods.eagle.teacher=precomputed", "loss=fkl", "methods.eagle.feature_layers=[0,1,2]", "methods.eagle.vocab_size=128",
                     "trainer.max_steps=50", "++methods.eagle.trainer.max_steps=3", "++methods.eagle.trainer.val_check_interval=3")
     res = train_stage.run(cfg)
     assert res["settings"]["distill"]["teacher"] == "precomputed" and 0 < res["final"]["val/alpha"] <= 1
     assert res["steps"] == 3 and res["settings"]["trainer"]["max_steps"] == 3  # methods.eagle.trainer wins
+    # methods.eagle.teacher wins over distill.teacher (live here) and the settings say which ran
 
 
 @pytest.mark.parametrize(("extra", "match"), [
@@ -105,8 +106,8 @@ def test_train_stage_with_precomputed_features(tmp_path, store, tiny_target_dir,
 ])
 def test_a_store_that_does_not_fit_is_refused(tmp_path, store, tiny_target_dir, generated, extra, match):
     cfg = stage_cfg(tmp_path, tiny_target_dir, generated, f"paths.features_dir={store}", "method=eagle",
-                    "distill.teacher=precomputed", "loss=fkl", "methods.eagle.feature_layers=[0,1,2]", "methods.eagle.vocab_size=128",
-                    "+trainer.fast_dev_run=1", *extra)
+                    "distill.teacher=precomputed", "methods.eagle.teacher=precomputed", "loss=fkl",
+                    "methods.eagle.feature_layers=[0,1,2]", "methods.eagle.vocab_size=128", "+trainer.fast_dev_run=1", *extra)
     with pytest.raises((ConfigError, ValueError), match=match):
         train_stage.run(cfg)
 
@@ -124,3 +125,10 @@ def test_a_killed_stage_recomputes_only_missing_shards(tmp_path, tiny_target_dir
     assert not list(lost.parent.glob(".*.tmp-*"))
     res = features_stage.run(stage_cfg(tmp_path, tiny_target_dir, generated, "features.topk=4"))  # another store
     assert res["this_run"]["shards"] == 2 and json.loads((tmp_path / "features/manifest.json").read_text())["topk"] == 4
+
+
+def test_an_empty_split_list_writes_an_empty_store(tmp_path, tiny_target_dir, generated):
+    res = features_stage.run(stage_cfg(tmp_path, tiny_target_dir, generated, "features.splits=[]"))
+    assert res["this_run"]["shards"] == 0 and res["splits"] == {}
+    with pytest.raises(DataError, match="no feature shards"):
+        FeatureStore(tmp_path / "features", "train")

@@ -38,15 +38,13 @@ class FeaturesConfig:
     topk: int = 128  # the target's top-k log-probs per response token: the stored teacher
     dtype: str = "bfloat16"  # the stored features (the live path feeds the target's bf16 states)
     batch_size: int = 8
-    splits: list[str] = field(default_factory=lambda: ["train"])
+    splits: list[str] = field(default_factory=lambda: ["train"])  # []: nothing (an experiment whose EAGLE runs live)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"features.dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
         if self.topk < 1 or self.batch_size < 1:
             raise ValueError(f"features.topk={self.topk} and features.batch_size={self.batch_size} must be >= 1")
-        if not self.splits:
-            raise ValueError("features.splits is empty: list the generated splits to precompute (e.g. [train])")
 
 
 def store_fingerprint(layers: list[int], topk: int, dtype: str, max_length: int, target: str, generated: str) -> str:

@@ -172,6 +172,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     size = section(DraftSize, dict(cfg["draft"]), "draft")
     lcfg = section(LossConfig, dict(cfg["loss"]), "loss")
     dist = section(DistillConfig, dict(cfg["distill"]), "distill")
+    if getattr(mcfg, "teacher", None):  # methods.<m>.teacher wins over distill.teacher (an experiment's EAGLE choice)
+        dist.teacher = mcfg.teacher
+        cfg = {**cfg, "distill": {**cfg["distill"], "teacher": mcfg.teacher}}  # the settings and stamp say so
     dcfg = section(DataConfig, dict(dist.data), "distill.data")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     try:
@@ -180,7 +183,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"loss: {e}") from e
     if name != "draft" and (dist.teacher == "stored" or dcfg.source not in ("target", "dataset")):
         raise ConfigError(f"method={name} reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
-                          f"(got {dist.teacher}) and distill.data.source=target or dataset (got {dcfg.source})")
+                          f"or precomputed (got {dist.teacher}) and distill.data.source=target or dataset (got {dcfg.source})")
     if dist.teacher == "precomputed" and (name not in ("eagle", "eagle1") or dcfg.source != "target"):
         raise ConfigError(f"distill.teacher=precomputed reads the features stage's store, made for EAGLE heads "
                           f"(method=eagle/eagle1) on the generate stage's answers (distill.data.source=target); "

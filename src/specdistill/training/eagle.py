@@ -29,7 +29,7 @@ import torch
 from torchmetrics import MeanMetric
 from transformers import DynamicCache
 
-from specdistill.models.eagle import EagleHead, default_feature_layers, unit_rms  # noqa: F401 (re-exported)
+from specdistill.models.eagle import EagleHead, unit_rms
 from specdistill.models.hidden import HiddenTap
 from specdistill.training.base import DistillModule
 from specdistill.training.losses import Teacher
@@ -51,6 +51,7 @@ class EagleMethodConfig:
     # over the `trainer` section for this method only: with precomputed features an EAGLE step costs about
     # half a live one, so an experiment can give EAGLE more steps in the same time (conf/experiment/)
     trainer: dict[str, Any] = field(default_factory=dict)
+    teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
 
 
 def step_pairs(mask: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
