@@ -25,6 +25,15 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it: set and restore, once, at import (before any thread)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `final`; rename it to `final` only if the block succeeds."""
@@ -38,6 +47,9 @@ def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
         os.close(fd)
         tmp = Path(name)
     try:
+        # mkstemp/mkdtemp create 0600/0700 (private temporaries); a final output gets what open() would
+        # give it under the user's umask, so the group can read metrics and reports on a shared cluster
+        tmp.chmod((0o777 if is_dir else 0o666) & ~UMASK)
         yield tmp
         if is_dir and final.exists():
             shutil.rmtree(final)
