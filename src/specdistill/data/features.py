@@ -48,7 +48,7 @@ class FeaturesConfig:
 
 
 def store_fingerprint(layers: list[int], topk: int, dtype: str, max_length: int, target: str, generated: str) -> str:
-    """What decides a store's content; the train stage recomputes it from its own config to check the store."""
+    """What decides a store's content: a store of another fingerprint is recomputed whole (`prepare_output`)."""
     return config_hash({"layers": list(layers), "topk": topk, "dtype": dtype, "max_length": max_length,
                         "target": target, "generated": generated})
 
@@ -57,16 +57,10 @@ def store_fingerprint(layers: list[int], topk: int, dtype: str, max_length: int,
 def compute_features(model: Any, rows: list[tuple[list[int], int, int]], layers: list[int], topk: int,
                      dtype: torch.dtype, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(features [p+r, F], topk_ids [r, k], topk_logprobs [r, k]) of rows (kept span, p, r), one padded batch."""
+    from specdistill.data.generation import pad_rows
     from specdistill.models.hidden import HiddenTap
 
-    device = next(model.parameters()).device
-    width = max(len(s) for s, _, _ in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (s, _, _) in enumerate(rows):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = pad_rows(model, [s for s, _, _ in rows], pad_id)
     with HiddenTap(model, layers) as tap:  # the same call as the live path (training/eagle.py)
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
     feats = tap.concat()
@@ -93,16 +87,20 @@ def write_shard(final: Path, ids: list[str], prompt_kept: list[int], response_ke
         save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids)})
 
 
+def read_manifest(features_dir: str | Path) -> dict[str, Any]:
+    path = Path(features_dir) / MANIFEST
+    if not path.exists():
+        raise DataError(f"no precomputed features at {features_dir} (no {MANIFEST}): run the features stage "
+                        "first (dvc repro features) or train with distill.teacher=live")
+    return json.loads(path.read_text())
+
+
 class FeatureStore:
     """Reads a split of the store by row id; shards open lazily (and reopen in a DataLoader worker)."""
 
     def __init__(self, features_dir: str | Path, split: str):
         self.folder = Path(features_dir) / split
-        manifest = Path(features_dir) / MANIFEST
-        if not manifest.exists():
-            raise DataError(f"no precomputed features at {features_dir} (no {MANIFEST}): run the features stage "
-                            "first (dvc repro features) or train with distill.teacher=live")
-        self.manifest = json.loads(manifest.read_text())
+        self.manifest = read_manifest(features_dir)
         self.layers: list[int] = list(self.manifest["layers"])
         self.shards = sorted(self.folder.glob("shard-*.safetensors"))
         if not self.shards:
@@ -149,11 +147,8 @@ class FeatureStore:
 def check_store(features_dir: str | Path, need_layers: list[int], max_length: int, generated_fingerprint: str,
                 target_fingerprint: str) -> dict[str, Any]:
     """The store's manifest if it serves a run of this target that reads `need_layers` with this max_length and data."""
-    path = Path(features_dir) / MANIFEST
     fix = "rerun the features stage (dvc repro features) or train with distill.teacher=live"
-    if not path.exists():
-        raise DataError(f"no precomputed features at {features_dir}: {fix}")
-    m = json.loads(path.read_text())
+    m = read_manifest(features_dir)
     if m.get("generated_fingerprint") != generated_fingerprint:
         raise DataError(f"the features at {features_dir} were computed from other generated data: {fix}")
     if m.get("target_fingerprint") != target_fingerprint:

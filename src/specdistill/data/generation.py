@@ -149,18 +149,23 @@ def generate_batch(model: Any, prompts: list[list[int]], cfg: GenerateConfig, st
     return BatchResult(responses)
 
 
-@torch.inference_mode()
-def score_topk(model: Any, sequences: list[list[int]], prompt_lens: list[int], k: int,
-               pad_id: int) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
-    """The target's top-k logprobs at every response position of fixed sequences (prefill only)."""
+def pad_rows(model: Any, sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, T] of right-padded fixed sequences, on the model's device."""
     device = next(model.parameters()).device
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(sequences), max(len(s) for s in sequences)), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def score_topk(model: Any, sequences: list[list[int]], prompt_lens: list[int], k: int,
+               pad_id: int) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
+    """The target's top-k logprobs at every response position of fixed sequences (prefill only)."""
+    ids, mask = pad_rows(model, sequences, pad_id)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
     lp, li = torch.log_softmax(logits, -1).topk(k, -1)
     out_ids, out_lp = [], []
     for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True)):

@@ -61,18 +61,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         ds = load_split(shard)
         if ds is None:
             continue
-        length = [len(x) for x in ds["input_ids"]]
-        full_p = list(ds["prompt_len"])
+        seqs, rids, full_p = ds["input_ids"], ds["id"], list(ds["prompt_len"])  # each column read once
+        length = [len(x) for x in seqs]
         pk, rk = truncated_lengths(np.asarray(full_p, dtype=np.int64), np.asarray(length, dtype=np.int64), dcfg.max_length)
         keep = [i for i in range(len(ds)) if length[i] > full_p[i]]  # as the data module: no empty answers
-        if len(set(ds["id"])) != len(ds):
+        if len(set(rids)) != len(ds):
             raise DataError(f"{shard}: row ids repeat; the store finds rows by id")
         order = sorted(keep, key=lambda i: int(pk[i] + rk[i]))
         parts: dict[int, Any] = {}
         bar = tqdm(total=len(order), unit="seq", desc=f"features {split}/{shard.name}", dynamic_ncols=True)
         for b in range(0, len(order), fcfg.batch_size):
             batch = order[b:b + fcfg.batch_size]
-            rows = [(ds[i]["input_ids"][full_p[i] - int(pk[i]):full_p[i] + int(rk[i])], int(pk[i]), int(rk[i])) for i in batch]
+            rows = [(seqs[i][full_p[i] - int(pk[i]):full_p[i] + int(rk[i])], int(pk[i]), int(rk[i])) for i in batch]
             for i, part in zip(batch, compute_features(target.model, rows, layers, fcfg.topk, DTYPES[fcfg.dtype], pad_id),
                                strict=True):
                 parts[i] = part
@@ -80,7 +80,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
         bar.close()
-        write_shard(out / split / f"{shard.name}.safetensors", [ds[i]["id"] for i in keep], [int(pk[i]) for i in keep],
+        write_shard(out / split / f"{shard.name}.safetensors", [rids[i] for i in keep], [int(pk[i]) for i in keep],
                     [int(rk[i]) for i in keep], [parts[i] for i in keep])
     elapsed = time.perf_counter() - t0
     manifest = {"fingerprint": fingerprint, "layers": layers, "topk": fcfg.topk, "dtype": fcfg.dtype,

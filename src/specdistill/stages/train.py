@@ -35,7 +35,6 @@ from specdistill.models.draft_lm import (
     load_draft,
     save_draft,
 )
-from specdistill.models.eagle import default_feature_layers
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
 from specdistill.training.eagle import EagleMethodConfig
@@ -206,7 +205,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     features_dir = None
     if dist.teacher == "precomputed":  # the store must fit this run: same data, target, spans and layers
         features_dir = Path(cfg["paths"].get("features_dir", "data/features"))
-        layers = mcfg.feature_layers or default_feature_layers(mcfg.variant, target.model.config.num_hidden_layers)
+        layers = mcfg.layers(target.model.config.num_hidden_layers)
         try:
             store = check_store(features_dir, layers, dcfg.max_length, data_stamp, target.fingerprint)
         except DataError as e:
@@ -343,7 +342,7 @@ def _build_eagle(mcfg: EagleMethodConfig, size: DraftSize, dcfg: DataConfig, cfg
         if mcfg.vocab_size:
             d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
                                    always=sorted(stops))
-        layers = mcfg.feature_layers or default_feature_layers(mcfg.variant, target.model.config.num_hidden_layers)
+        layers = mcfg.layers(target.model.config.num_hidden_layers)
         head = build_eagle(target.model, mcfg.variant, layers, d2t, fingerprint=target.fingerprint,
                            seed=int(cfg.get("seed", 0)))
     module = EagleModule(target.model, head, ttt_steps=mcfg.ttt_steps, step_decay=mcfg.step_decay,

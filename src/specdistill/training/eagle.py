@@ -29,7 +29,7 @@ import torch
 from torchmetrics import MeanMetric
 from transformers import DynamicCache
 
-from specdistill.models.eagle import EagleHead, unit_rms
+from specdistill.models.eagle import EagleHead, default_feature_layers, unit_rms
 from specdistill.models.hidden import HiddenTap
 from specdistill.training.base import DistillModule
 from specdistill.training.losses import Teacher
@@ -52,6 +52,10 @@ class EagleMethodConfig:
     # half a live one, so an experiment can give EAGLE more steps in the same time (conf/experiment/)
     trainer: dict[str, Any] = field(default_factory=dict)
     teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
+
+    def layers(self, num_layers: int) -> list[int]:
+        """The HiddenTap indices the head reads: feature_layers, or the variant's default for this target."""
+        return list(self.feature_layers or default_feature_layers(self.variant, num_layers))
 
 
 def step_pairs(mask: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
