@@ -173,10 +173,21 @@ def test_two_ranks_partition_val_and_balance_train(tmp_path):
 def test_world_rank_and_epoch_from_the_trainer(tmp_path):
     rows = varied_rows(40, seed=4)
     dm = module(tmp_path, {"train": rows, "val": rows}, batch_size=4, bucket_size=2)
-    dm.trainer = SimpleNamespace(world_size=2, global_rank=1, current_epoch=2)
+    progress = SimpleNamespace(current=SimpleNamespace(completed=3))  # a checkpoint restored 3 batches into epoch 2
+    fit_loop = SimpleNamespace(restarting=True, epoch_loop=SimpleNamespace(batch_progress=progress))
+    dm.trainer = SimpleNamespace(world_size=2, global_rank=1, current_epoch=2, fit_loop=fit_loop)
     loader = dm.train_dataloader()
-    assert (loader.sampler.world_size, loader.sampler.rank, loader.sampler.epoch) == (2, 1, 2)
-    assert len(loader) == 5 and len(dm.val_dataloader()) == 5
+    sampler = loader.sampler
+    assert (sampler.world_size, sampler.rank, sampler.epoch) == (2, 1, 2)
+    assert len(loader) == 5 and len(dm.val_dataloader()) == 5  # Lightning counts the epoch's batches from len
+    plan = sampler.batches()
+    assert list(sampler) == plan[3:]  # the resumed epoch continues at its 4th batch, once
+    assert list(sampler) == plan
+    sampler.skip = 3
+    sampler.set_epoch(3)  # a skip left for the resumed epoch does not cut the next one
+    assert list(sampler) == sampler.batches() != plan
+    fit_loop.restarting = False  # a fresh fit (or a reload between epochs) starts at the first batch
+    assert list(dm.train_dataloader().sampler) == plan
 
 
 def test_dataset_source_tokenises_prompt_and_reference(tmp_path, tiny_tokenizer):

@@ -10,6 +10,7 @@ import sys
 import datasets
 import pytest
 import torch
+from safetensors.torch import load_file
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -97,6 +98,13 @@ def test_a_killed_run_resumes_its_step_count_and_curve(tmp_path, tiny_target_dir
     rows = (tmp_path / "plots/train_draft/val.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["6", "12"]  # the curve continues the killed run's
     assert float(rows[1].split(",")[1]) == pytest.approx(ckpt["val_history"][0]["val/alpha"])
+    # the resumed epoch continues at the killed run's batch, not its first: the same weights as one run
+    whole = train_stage.run(composed(*overrides(tmp_path / "whole", tiny_target_dir, generated,
+                                                "trainer.val_check_interval=6", "trainer.max_steps=12",
+                                                "distill.optimizer.lr=3e-3", "methods.draft.init=random")))
+    assert whole["final"]["val/alpha"] == pytest.approx(res["final"]["val/alpha"], rel=1e-6)
+    resumed, straight = (load_file(p / "models/draft/model.safetensors") for p in (tmp_path, tmp_path / "whole"))
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
     # a changed configuration does not resume a foreign checkpoint
     other = composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=6",
                                 "trainer.max_steps=6", "methods.draft.init=random"))

@@ -137,14 +137,20 @@ def load_split(folder: Path) -> Any:
 
 
 class BatchPlanSampler(Sampler[list[int]]):
-    """Yields one rank's batches (lists of row indices) of an epoch; Lightning calls set_epoch each epoch."""
+    """Yields one rank's batches (lists of row indices) of an epoch; Lightning calls set_epoch each epoch.
+
+    `skip` batches of the first epoch iterated are left out: a run resumed mid-epoch continues at the batch the
+    killed run reached (the plan is a function of seed and epoch), so it trains on what one unbroken run would.
+    """
 
     def __init__(self, lengths: np.ndarray, batch_size: int, bucket_size: int | None, seed: int, world_size: int,
-                 rank: int, epoch: int = 0) -> None:
+                 rank: int, epoch: int = 0, skip: int = 0) -> None:
         self.lengths, self.batch_size, self.bucket_size, self.seed = lengths, batch_size, bucket_size, seed
-        self.world_size, self.rank, self.epoch = world_size, rank, epoch
+        self.world_size, self.rank, self.epoch, self.skip = world_size, rank, epoch, skip
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:  # the skip belongs to the epoch the run resumed in
+            self.skip = 0
         self.epoch = epoch
 
     def batches(self) -> list[list[int]]:
@@ -152,7 +158,8 @@ class BatchPlanSampler(Sampler[list[int]]):
         return shard_batches(plan, self.world_size, self.rank, even=self.bucket_size is not None)
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches())
+        skip, self.skip = self.skip, 0
+        return iter(self.batches()[skip:])
 
     def __len__(self) -> int:
         n = -(-len(self.lengths) // self.batch_size)  # the plan's batch count does not depend on the epoch
@@ -325,8 +332,12 @@ class DistillDataModule(pl.LightningDataModule):
         data = self.splits[split]
         world, rank = self._world()
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        # batches of this epoch a restored checkpoint already trained on (checkpoints follow a validation, after
+        # Lightning counted the batch); Lightning's own fetcher resumes its count there too
+        loop = self.trainer.fit_loop if train and self.trainer is not None else None
+        done = loop.epoch_loop.batch_progress.current.completed if loop is not None and loop.restarting else 0
         sampler = BatchPlanSampler(data.prompt_kept + data.response_kept, self.cfg.batch_size,
-                                   self.cfg.bucket_size if train else None, self.cfg.seed, world, rank, epoch)
+                                   self.cfg.bucket_size if train else None, self.cfg.seed, world, rank, epoch, done)
         return DataLoader(data, batch_size=None, sampler=sampler, num_workers=self.cfg.num_workers,
                           persistent_workers=self.cfg.num_workers > 0)
 

@@ -15,6 +15,7 @@ import csv
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,10 @@ from specdistill.models.draft_lm import (
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
 from specdistill.training.eagle import EagleMethodConfig
+
+# DistillDataModule's sampler continues a resumed epoch at the checkpoint's batch (BatchPlanSampler.skip), which
+# Lightning cannot see from outside: its warning that the loader restarts the epoch does not hold here
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 from specdistill.training.losses import LossError, build_loss
 from specdistill.training.medusa import MedusaMethodConfig
 
