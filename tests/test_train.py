@@ -10,9 +10,9 @@ import sys
 import datasets
 import pytest
 import torch
-from safetensors.torch import load_file
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from specdistill.stages import train as train_stage
 from specdistill.stages.common import ConfigError

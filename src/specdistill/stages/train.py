@@ -39,14 +39,14 @@ from specdistill.models.draft_lm import (
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
 from specdistill.training.eagle import EagleMethodConfig
-
-# DistillDataModule's sampler continues a resumed epoch at the checkpoint's batch (BatchPlanSampler.skip), which
-# Lightning cannot see from outside: its warning that the loader restarts the epoch does not hold here
-warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 from specdistill.training.losses import LossError, build_loss
 from specdistill.training.medusa import MedusaMethodConfig
 
 log = logging.getLogger(__name__)
+
+# DistillDataModule's sampler continues a resumed epoch at the checkpoint's batch (BatchPlanSampler.skip), which
+# Lightning cannot see from outside: its warning that the loader restarts the epoch does not hold here
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 METHODS = ("draft", "medusa", "eagle", "eagle1")
 
