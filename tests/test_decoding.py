@@ -12,7 +12,6 @@ import functools
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import specdistill.decoding.loop as loop
 from specdistill.decoding.loop import SamplingConfig, speculative_generate
@@ -25,6 +24,7 @@ from specdistill.models.kv_cache import PreallocatedCache
 from specdistill.sampling import sample, warp
 
 from .conftest import make_model
+from .stats import chi2_p
 
 V = 8  # bigram vocabulary
 
@@ -100,15 +100,6 @@ def sampled_positions(proposer, table, sampling, n=20_000, new=3, seed=0):
         draws[i] = speculative_generate(ver, proposer, [0], new, set(), sampling, g).tokens
     return draws
 
-
-def chi2_p(draws, probs):
-    n = len(draws)
-    counts = np.bincount(draws, minlength=len(probs))
-    probs = probs.numpy()
-    support = probs > 0
-    if counts[~support].sum() > 0:
-        return 0.0
-    return chisquare(counts[support], probs[support] / probs[support].sum() * n).pvalue
 
 
 @pytest.fixture

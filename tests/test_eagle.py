@@ -26,7 +26,8 @@ from specdistill.training.eagle import EagleModule, step_pairs, unroll
 from specdistill.training.losses import build_loss
 
 from .conftest import make_model, save_mtbench
-from .test_decoding import PROMPTS, V, chi2_p, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
+from .stats import chi2_p
+from .test_decoding import PROMPTS, V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
 from .test_medusa import FeatureBigramVerifier
 from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
 

@@ -14,7 +14,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import SamplingConfig, speculative_generate
@@ -24,6 +23,7 @@ from specdistill.decoding.verifier import TargetVerifier
 from specdistill.stages import train as train_stage
 
 from .conftest import make_model, save_mtbench
+from .stats import chi2_p
 from .test_decoding import PROMPTS
 from .test_eagle import random_head
 from .test_medusa import random_heads
@@ -73,20 +73,6 @@ def test_every_proposer_is_greedy_lossless_on_the_device(target):
             assert res.tokens == greedy(target, prompt, 24), (name, prompt)
 
 
-def pooled_chi2_p(draws: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
-    """Chi-square p-value with the bins expected under `min_expected` counts pooled into one."""
-    n = len(draws)
-    counts = np.bincount(draws, minlength=len(probs)).astype(float)
-    expected = probs * n
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    big = expected >= min_expected
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return float(chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
-
-
 @pytest.mark.parametrize("name", ["draft-tree", "eagle3-dynamic"])
 def test_sampling_at_temperature_one_follows_the_target_on_the_device(target, name):
     """The first two tokens' exact marginals come from the target itself (one batched forward over every
@@ -103,7 +89,7 @@ def test_sampling_at_temperature_one_follows_the_target_on_the_device(target, na
     draws = np.array([speculative_generate(ver, proposer, prompt, 2, set(), SamplingConfig(1.0), g).tokens
                       for _ in range(3000)])
     for pos, probs in ((0, first), (1, second)):
-        assert pooled_chi2_p(draws[:, pos], probs.cpu().numpy()) > 1e-3, (name, pos)
+        assert chi2_p(draws[:, pos], probs, min_expected=5.0) > 1e-3, (name, pos)
 
 
 @pytest.mark.parametrize("method", ["draft", "medusa", "eagle", "eagle1"])
