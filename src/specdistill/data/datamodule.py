@@ -97,6 +97,22 @@ def truncated_lengths(prompt_len: np.ndarray, length: np.ndarray, max_length: in
     return np.minimum(prompt_len, max_length - r), r
 
 
+def kept_spans(ds: Any, max_length: int, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(indices of the rows with a response, their kept prompt and response spans under max_length): the one
+    row selection the data module and the features stage share, so a stored row is exactly a batch row."""
+    import pyarrow.compute as pc
+
+    length = pc.list_value_length(ds.data.column("input_ids")).to_numpy().astype(np.int64)
+    prompt_len = ds.data.column("prompt_len").to_numpy().astype(np.int64)
+    bad = np.flatnonzero((prompt_len < 1) | (prompt_len > length))
+    if len(bad):
+        raise DataError(f"{where}: {len(bad)} row(s) with prompt_len outside [1, len(input_ids)], "
+                        f"first {ds[int(bad[0])]['id']!r}")
+    # a row without response tokens has nothing to learn from and would only add padding
+    keep = np.flatnonzero(length > prompt_len)
+    return (keep, *truncated_lengths(prompt_len[keep], length[keep], max_length))
+
+
 def plan_batches(lengths: np.ndarray, batch_size: int, bucket_size: int | None, seed: int = 0,
                  epoch: int = 0) -> list[list[int]]:
     """Row indices of each batch. bucket_size=None: the whole set sorted by length, in order (val)."""
@@ -286,24 +302,14 @@ class DistillDataModule(pl.LightningDataModule):
         })
 
     def _build(self, split: str) -> SequenceBatches:
-        import pyarrow.compute as pc
-
         source = self.cfg.val_source if split == "val" else self.cfg.source
         ds = self._load_references(split) if source == "dataset" else self._load_generated(split)
-        length = pc.list_value_length(ds.data.column("input_ids")).to_numpy().astype(np.int64)
-        prompt_len = ds.data.column("prompt_len").to_numpy().astype(np.int64)
-        bad = np.flatnonzero((prompt_len < 1) | (prompt_len > length))
-        if len(bad):
-            raise DataError(f"{split}: {len(bad)} row(s) with prompt_len outside [1, len(input_ids)], "
-                            f"first {ds[int(bad[0])]['id']!r}")
-        # a row without response tokens has nothing to learn from and would only add padding
-        keep = np.flatnonzero(length > prompt_len)
+        keep, pk, rk = kept_spans(ds, self.cfg.max_length, split)
         if len(keep) < len(ds):
             log.warning("%s: dropping %d row(s) with an empty response", split, len(ds) - len(keep))
-            ds, length, prompt_len = ds.select(keep), length[keep], prompt_len[keep]
+            ds = ds.select(keep)
         if len(ds) == 0:
             raise DataError(f"the {split} split of data source {source} is empty")
-        pk, rk = truncated_lengths(prompt_len, length, self.cfg.max_length)
         store = None
         if split == "train" and self.features_dir is not None:
             from specdistill.data.features import FeatureStore

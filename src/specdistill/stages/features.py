@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
-from specdistill.data.datamodule import DataConfig, DataError, load_split, truncated_lengths
+from specdistill.data.datamodule import DataConfig, DataError, kept_spans, load_split
 from specdistill.data.features import (
     DTYPES,
     MANIFEST,
@@ -61,27 +60,26 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         ds = load_split(shard)
         if ds is None:
             continue
-        seqs, rids, full_p = ds["input_ids"], ds["id"], list(ds["prompt_len"])  # each column read once
-        length = [len(x) for x in seqs]
-        pk, rk = truncated_lengths(np.asarray(full_p, dtype=np.int64), np.asarray(length, dtype=np.int64), dcfg.max_length)
-        keep = [i for i in range(len(ds)) if length[i] > full_p[i]]  # as the data module: no empty answers
+        keep, pk, rk = kept_spans(ds, dcfg.max_length, str(shard))  # the rows and spans the data module batches
+        seqs, rids, full_p = ds["input_ids"], ds["id"], ds["prompt_len"]  # each column read once
         if len(set(rids)) != len(ds):
             raise DataError(f"{shard}: row ids repeat; the store finds rows by id")
-        order = sorted(keep, key=lambda i: int(pk[i] + rk[i]))
+        order = sorted(range(len(keep)), key=lambda j: int(pk[j] + rk[j]))  # j: a kept row; keep[j] its index
         parts: dict[int, Any] = {}
         bar = tqdm(total=len(order), unit="seq", desc=f"features {split}/{shard.name}", dynamic_ncols=True)
         for b in range(0, len(order), fcfg.batch_size):
             batch = order[b:b + fcfg.batch_size]
-            rows = [(seqs[i][full_p[i] - int(pk[i]):full_p[i] + int(rk[i])], int(pk[i]), int(rk[i])) for i in batch]
-            for i, part in zip(batch, compute_features(target.model, rows, layers, fcfg.topk, DTYPES[fcfg.dtype], pad_id),
+            spans = [(int(keep[j]), int(pk[j]), int(rk[j])) for j in batch]
+            rows = [(seqs[i][full_p[i] - p:full_p[i] + r], p, r) for i, p, r in spans]
+            for j, part in zip(batch, compute_features(target.model, rows, layers, fcfg.topk, DTYPES[fcfg.dtype], pad_id),
                                strict=True):
-                parts[i] = part
+                parts[j] = part
             tokens += sum(len(s) for s, _, _ in rows)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
         bar.close()
-        write_shard(out / split / f"{shard.name}.safetensors", [rids[i] for i in keep], [int(pk[i]) for i in keep],
-                    [int(rk[i]) for i in keep], [parts[i] for i in keep])
+        write_shard(out / split / f"{shard.name}.safetensors", [rids[i] for i in keep], pk.tolist(), rk.tolist(),
+                    [parts[j] for j in range(len(keep))])
     elapsed = time.perf_counter() - t0
     manifest = {"fingerprint": fingerprint, "layers": layers, "topk": fcfg.topk, "dtype": fcfg.dtype,
                 "max_length": dcfg.max_length, "target_fingerprint": target.fingerprint,
