@@ -36,7 +36,8 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
         t = s.get("eagle_tree") or {}
         shape = {"dynamic": f"dynamic tree {t.get('total_tokens')} nodes", "chain": f"chain K={t.get('k')}"}.get(
             t.get("shape"), f"static tree {t.get('branching')}")
-        return f"{s.get('eagle_variant')}, {shape} ({s.get('draft_vocab')} tokens)", data
+        lookup = f" + lookup chain K={s.get('lookup_k')}" if s.get("eagle_lookup") else ""
+        return f"{s.get('eagle_variant')}, {shape}{lookup} ({s.get('draft_vocab')} tokens)", data
     if metrics["method"] == "medusa":
         data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
         return f"Medusa {s.get('medusa_heads')} heads, {s.get('tree_nodes')}-node tree ({s.get('draft_vocab')} tokens)", data

@@ -17,6 +17,7 @@ from specdistill.data.generation import stop_ids
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.medusa import MedusaProposer, grow_tree, sort_choices
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
+from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
 from specdistill.io import atomic_path, write_json
 from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
@@ -53,8 +54,12 @@ class EvalConfig:
     medusa_choices: list[list[int]] | None = None  # an explicit Medusa tree instead of a saved one
     eagle_path: str | None = None  # train@eagle writes models/eagle (eagle3), train@eagle1 models/eagle1
     eagle_tree: dict[str, Any] = field(default_factory=dict)  # decoding/eagle.py EagleTreeConfig
-    lookup_k: int = 8
+    # the EAGLE tree and a prompt-lookup chain verified as one tree (decoding/union.py): lookup copies the
+    # spans an answer repeats from its prompt or earlier turn, where the head is weak
+    eagle_lookup: bool = False
+    lookup_k: int = 8  # prompt lookup (method=lookup, the draft method's lookup row, eagle_lookup's branch)
     lookup_max_ngram: int = 3
+    lookup_min_ngram: int = 1
     capacity: int = 4096  # KV cache tokens per generation
     seed: int = 0
 
@@ -65,6 +70,16 @@ class EvalConfig:
             EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
         except (TypeError, ValueError) as e:
             raise ConfigError(f"eval.eagle_tree: {e}") from e
+        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram or self.lookup_k < 1:
+            raise ConfigError(f"eval.lookup_*: need 1 <= lookup_min_ngram ({self.lookup_min_ngram}) <= lookup_max_ngram "
+                              f"({self.lookup_max_ngram}) and lookup_k >= 1 ({self.lookup_k})")
+        if self.eagle_lookup and self.method != "eagle":
+            raise ConfigError(f"eval.eagle_lookup=true adds a lookup branch to an EAGLE tree: set eval.method=eagle "
+                              f"(got {self.method!r}), or eval.eagle_lookup=false")
+        sampled_chain = self.eagle_tree.get("shape", EagleTreeConfig.shape) == "chain" and any(t > 0 for t in self.temperatures)
+        if self.eagle_lookup and sampled_chain:
+            raise ConfigError("eval.eagle_lookup=true merges deterministic trees, but a chain drafts by sampling at "
+                              "temperature > 0: use eval.eagle_tree.shape=dynamic (or static), or eval.temperatures=[0.0]")
 
 
 def draft_training(path: str | None) -> dict[str, Any] | None:
@@ -125,7 +140,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, heads.num_heads if heads else 0, eagle_depth)
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
-    lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram)
+    lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram, ecfg.lookup_min_ngram)
     methods = [ours("ar", None)]
     if ecfg.hf_baselines:
         methods.append(hf_method("hf_generate", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0))
@@ -158,7 +173,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                       "draft_vocab": eagle.head.cfg.draft_vocab_size or eagle.head.cfg.vocab_size,
                       "eagle_variant": eagle.head.cfg.variant, "eagle_tree": asdict(eagle.tree),
                       "draft_training": draft_training(ecfg.eagle_path)}
-        methods.append(ours("spec", eagle))
+        methods.append(ours("spec", UnionProposer(eagle, lookup) if ecfg.eagle_lookup else eagle))
     else:
         methods.append(ours("spec", lookup))
 

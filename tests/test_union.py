@@ -1,0 +1,137 @@
+"""Union of drafts (decoding/union.py): the merged tree, greedy equality and losslessness of EAGLE + prompt lookup."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.proposers import PromptLookupProposer
+from specdistill.decoding.tree import DraftTree
+from specdistill.decoding.union import UnionProposer, merge
+from specdistill.decoding.verifier import TargetVerifier
+from specdistill.models.eagle import EagleConfig, EagleHead, save_eagle
+
+from .conftest import save_mtbench
+from .stats import chi2_p
+from .test_decoding import V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
+from .test_eagle import random_head, target, tree_paths  # noqa: F401 (fixture)
+from .test_medusa import FeatureBigramVerifier
+
+
+def test_merge_is_the_union_of_the_trees_paths():
+    a = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 0]))  # 5 -> {7, 8}; 6
+    b = DraftTree.chain([5, 7, 9, 1])  # shares 5 -> 7, then goes on
+    c = DraftTree.chain([6, 6])
+    u = merge([a, b, c])
+    assert tree_paths(u) == tree_paths(a) | tree_paths(b) | tree_paths(c)
+    assert len(u) == len(tree_paths(u))  # one node per path: siblings are distinct
+    assert torch.equal(u.tokens[:4], a.tokens) and torch.equal(u.parents[:4], a.parents)  # the first tree stays put
+    assert u.q is None and len(merge([b, b])) == 4
+
+
+def test_merge_refuses_sampled_drafts():
+    sampled = DraftTree.chain([1, 2], torch.full((2, V), 1.0 / V))
+    with pytest.raises(ValueError, match="deterministic"):
+        merge([DraftTree.chain([1]), sampled])
+
+
+class _Fixed:
+    feature_layers = ()
+
+    def __init__(self, tree, layers=()):
+        self.tree, self.feature_layers, self.seen = tree, layers, []
+
+    def reset(self):
+        pass
+
+    def propose(self, context, max_depth, sampling, generator, features=None):
+        self.seen.append(features)
+        return self.tree
+
+
+def test_union_proposer_passes_features_to_every_member_and_drops_empty_drafts():
+    eagle_like, lookup_like = _Fixed(DraftTree.chain([3, 4]), layers=(1, 2)), _Fixed(None)
+    u = UnionProposer(eagle_like, lookup_like)
+    assert u.feature_layers == (1, 2)
+    feats = torch.ones(2, 4)
+    assert u.propose([1, 2], 4, SamplingConfig(), None, feats) is eagle_like.tree  # one draft: returned as is
+    assert eagle_like.seen[0] is feats and lookup_like.seen[0] is feats
+    assert UnionProposer(_Fixed(None), _Fixed(DraftTree.empty())).propose([1], 4, SamplingConfig(), None) is None
+    with pytest.raises(ValueError, match="different target states"):
+        UnionProposer(_Fixed(None, (1,)), _Fixed(None, (2,)))
+
+
+REPEATING = [[1, 5, 9, 13, 5, 9, 13, 5], [1, 77, 3, 12, 77, 3, 12, 77, 3], [1, 200, 201, 202, 200, 201]]
+
+
+def test_greedy_eagle_plus_lookup_equals_plain_greedy(target):  # noqa: F811
+    head = random_head(target, "eagle3", torch.arange(0, target.config.vocab_size, 2))
+    tree = EagleTreeConfig(shape="dynamic", depth=3, top_k=2, total_tokens=5)
+    eagle = EagleProposer(head, tree, capacity=128)
+    union = UnionProposer(EagleProposer(head, tree, capacity=128), PromptLookupProposer(k=4))
+    ver = TargetVerifier(target, capacity=128, feature_layers=union.feature_layers)
+    grew = 0
+    for prompt in REPEATING:
+        res = speculative_generate(ver, union, prompt, 24, stops=set())
+        alone = speculative_generate(ver, eagle, prompt, 24, stops=set())
+        assert res.tokens == plain_greedy(target, prompt, 24) == alone.tokens, prompt
+        grew += sum(r.draft_len > 5 for r in res.rounds)  # rounds where the lookup branch added nodes
+        assert all(r.draft_len <= 5 + 4 for r in res.rounds)
+    assert grew > 0  # the prompts repeat themselves, so lookup must have drafted
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eagle_plus_lookup_sampling_is_lossless():
+    """Temperature 1: an EAGLE-2 dynamic tree and a lookup chain merged; the prompt repeats so lookup drafts."""
+    table, _ = tables()
+    cfg = EagleConfig(variant="eagle1", hidden_size=V, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=4, vocab_size=V, feature_layers=[1], max_position_embeddings=64)
+    g = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(V, V)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(V, V, generator=g))
+    head = EagleHead(cfg, embed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    eagle = EagleProposer(head.eval(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3), capacity=32)
+    union = UnionProposer(eagle, PromptLookupProposer(k=3))
+    prompt = [0, 3, 5, 0, 3]  # lookup's first draft: 5 0 3
+    ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
+    draws = np.array([speculative_generate(ver, union, prompt, 4, set(), sampling, gen).tokens for _ in range(20_000)])
+    exact = exact_marginals(table, table[prompt[-1]], sampling, 4)
+    for pos in (1, 2, 3):
+        assert chi2_p(draws[:, pos], exact[pos]) > 1e-3, pos
+
+
+def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):
+    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.stages import evaluate as evaluate_stage
+    from specdistill.stages.common import ConfigError
+    save_mtbench(tmp_path / "prompts")
+    loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
+    head = random_head(loaded.model, "eagle3", torch.arange(100))
+    head.cfg.target_fingerprint = loaded.fingerprint
+    save_eagle(head, tmp_path / "models/eagle")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
+           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+           "eval": {"method": "eagle", "name": "eagle_lookup", "eagle_lookup": True, "datasets": ["mtbench"],
+                    "num_prompts": 1, "max_new_tokens": 8, "temperatures": [0.0, 1.0], "hf_baselines": False,
+                    "eagle_path": str(tmp_path / "models/eagle"), "lookup_k": 4,
+                    "eagle_tree": {"shape": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}}}
+    metrics = evaluate_stage.run(cfg)
+    assert metrics["settings"]["eagle_lookup"] is True
+    samples = [json.loads(x) for x in (tmp_path / "plots/eagle_lookup/samples.jsonl").read_text().splitlines()]
+    t0 = {(s["turn"], s["method"]): s["text"] for s in samples if s["temperature"] == 0.0}
+    assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
+    bad = [({"method": "draft"}, "set eval.method=eagle"), ({"eagle_tree": {"shape": "chain"}}, "drafts by sampling"),
+           ({"lookup_min_ngram": 4}, "lookup_min_ngram")]
+    for change, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            evaluate_stage.run({**cfg, "eval": {**cfg["eval"], **change}})
