@@ -92,7 +92,12 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     eagle["final"].update({f"val/alpha_pos{k}{t}": 0.5 for k in range(1, 5) for t in ("", "_t0")})
     eagle["final"]["val/vocab_coverage"] = 0.883
     (tmp_path / "metrics/train_eagle.json").write_text(json.dumps(eagle))
+    union = metrics("eagle", [0.5, 0.4], 2.5)
+    union["settings"].update(eagle_variant="eagle3", draft_vocab=8192, eagle_lookup=True, lookup_k=8,
+                             eagle_tree={"shape": "dynamic", "total_tokens": 8})
+    (tmp_path / "metrics/eagle_lookup.json").write_text(json.dumps(union))
     text = render(tmp_path, monkeypatch)
+    assert "eagle3, dynamic tree 8 nodes + lookup chain K=8 (8192 tokens)" in text
     assert "| medusa | Medusa, 4 heads x 1 block |" in text and "| 1 | x(t+2) | 0.100 | 0.100 | 0.100 |" in text
     # exercise 3 from the measured accuracies: the cartesian 3x3x3 tree (39 tokens) against the 4-node tree
     assert "27 candidate sequences and 39 tree tokens" in text and "the chosen tree spends 4 tokens" in text
