@@ -229,10 +229,8 @@ def test_a_head_that_agrees_with_the_target_is_fully_accepted(tiny_tokenizer):
     assert [r.accepted for r in res.rounds] == [3, 3, 3, 3] and res.tau == 17 / 5
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_dynamic_tree_sampling_is_lossless():
-    """Temperature 1, EAGLE-2 dynamic tree on a bigram target whose 'state' of a token is its one-hot vector."""
-    table, _ = tables()
+def bigram_head() -> EagleHead:
+    """A random head over the bigram vocabulary (test_decoding), for FeatureBigramVerifier's one-hot states."""
     cfg = EagleConfig(variant="eagle1", hidden_size=V, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
                       head_dim=4, vocab_size=V, feature_layers=[1], max_position_embeddings=64)
     g = torch.Generator().manual_seed(0)
@@ -243,7 +241,14 @@ def test_dynamic_tree_sampling_is_lossless():
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
-    proposer = EagleProposer(head.eval(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=4), capacity=16)
+    return head.eval()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_dynamic_tree_sampling_is_lossless():
+    """Temperature 1, EAGLE-2 dynamic tree on a bigram target whose 'state' of a token is its one-hot vector."""
+    table, _ = tables()
+    proposer = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=4), capacity=16)
     ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
     draws = np.array([speculative_generate(ver, proposer, [0], 3, set(), sampling, gen).tokens for _ in range(20_000)])
     exact = exact_marginals(table, table[0], sampling, 3)
@@ -294,26 +299,37 @@ def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, 
     assert json.loads((tmp_path / f"metrics/train_{method}.json").read_text())["settings"]["method"]["variant"]
 
 
-def test_evaluate_stage_runs_eagle(tmp_path, tiny_target_dir, monkeypatch):
+def eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, **eval_overrides) -> dict:
+    """A random EAGLE-3 head for the tiny target in tmp_path/models/eagle, and the evaluate stage's config for it
+    (one MT-bench conversation, T = 0 and 1), run from tmp_path."""
     from specdistill.models.target import TargetConfig, load_target
-    from specdistill.stages import evaluate as evaluate_stage
-    from specdistill.stages.common import ConfigError
     save_mtbench(tmp_path / "prompts")
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
     head = random_head(loaded.model, "eagle3", torch.arange(100))
     head.cfg.target_fingerprint = loaded.fingerprint
     save_eagle(head, tmp_path / "models/eagle")
     monkeypatch.chdir(tmp_path)
-    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
-           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
-           "eval": {"method": "eagle", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
-                    "temperatures": [0.0, 1.0], "eagle_path": str(tmp_path / "models/eagle"),
-                    "eagle_tree": {"shape": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}}}
+    return {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
+            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+            "eval": {"method": "eagle", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
+                     "temperatures": [0.0, 1.0], "eagle_path": str(tmp_path / "models/eagle"),
+                     "eagle_tree": {"shape": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}, **eval_overrides}}
+
+
+def greedy_texts(samples_file) -> dict:
+    """(turn, method) -> the text each method wrote at T = 0."""
+    samples = [json.loads(x) for x in samples_file.read_text().splitlines()]
+    return {(s["turn"], s["method"]): s["text"] for s in samples if s["temperature"] == 0.0}
+
+
+def test_evaluate_stage_runs_eagle(tmp_path, tiny_target_dir, monkeypatch):
+    from specdistill.stages import evaluate as evaluate_stage
+    from specdistill.stages.common import ConfigError
+    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch)
     metrics = evaluate_stage.run(cfg)
     assert {"ar", "spec"} <= set(metrics["results"]["mtbench"]["T0"])
     assert metrics["settings"]["eagle_variant"] == "eagle3" and metrics["settings"]["eagle_tree"]["total_tokens"] == 5
-    samples = [json.loads(x) for x in (tmp_path / "plots/eagle/samples.jsonl").read_text().splitlines()]
-    t0 = {(s["turn"], s["method"]): s["text"] for s in samples if s["temperature"] == 0.0}
+    t0 = greedy_texts(tmp_path / "plots/eagle/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
     cfg["eval"]["eagle_tree"] = {"shape": "bush"}
     with pytest.raises(ConfigError, match="eagle_tree"):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -14,12 +12,10 @@ from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.union import UnionProposer, merge
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.eagle import EagleConfig, EagleHead, save_eagle
 
-from .conftest import save_mtbench
 from .stats import chi2_p
 from .test_decoding import V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
-from .test_eagle import random_head, target, tree_paths  # noqa: F401 (fixture)
+from .test_eagle import bigram_head, eagle_eval_config, greedy_texts, random_head, target, tree_paths  # noqa: F401
 from .test_medusa import FeatureBigramVerifier
 
 
@@ -89,17 +85,7 @@ def test_greedy_eagle_plus_lookup_equals_plain_greedy(target):  # noqa: F811
 def test_eagle_plus_lookup_sampling_is_lossless():
     """Temperature 1: an EAGLE-2 dynamic tree and a lookup chain merged; the prompt repeats so lookup drafts."""
     table, _ = tables()
-    cfg = EagleConfig(variant="eagle1", hidden_size=V, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=4, vocab_size=V, feature_layers=[1], max_position_embeddings=64)
-    g = torch.Generator().manual_seed(0)
-    embed = torch.nn.Embedding(V, V)
-    with torch.no_grad():
-        embed.weight.copy_(torch.randn(V, V, generator=g))
-    head = EagleHead(cfg, embed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    eagle = EagleProposer(head.eval(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3), capacity=32)
+    eagle = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3), capacity=32)
     union = UnionProposer(eagle, PromptLookupProposer(k=3))
     prompt = [0, 3, 5, 0, 3]  # lookup's first draft: 5 0 3
     ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
@@ -110,25 +96,13 @@ def test_eagle_plus_lookup_sampling_is_lossless():
 
 
 def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):
-    from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import evaluate as evaluate_stage
     from specdistill.stages.common import ConfigError
-    save_mtbench(tmp_path / "prompts")
-    loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
-    head = random_head(loaded.model, "eagle3", torch.arange(100))
-    head.cfg.target_fingerprint = loaded.fingerprint
-    save_eagle(head, tmp_path / "models/eagle")
-    monkeypatch.chdir(tmp_path)
-    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
-           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
-           "eval": {"method": "eagle", "name": "eagle_lookup", "eagle_lookup": True, "datasets": ["mtbench"],
-                    "num_prompts": 1, "max_new_tokens": 8, "temperatures": [0.0, 1.0], "hf_baselines": False,
-                    "eagle_path": str(tmp_path / "models/eagle"), "lookup_k": 4,
-                    "eagle_tree": {"shape": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}}}
+    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", eagle_lookup=True,
+                            hf_baselines=False, lookup_k=4)
     metrics = evaluate_stage.run(cfg)
     assert metrics["settings"]["eagle_lookup"] is True
-    samples = [json.loads(x) for x in (tmp_path / "plots/eagle_lookup/samples.jsonl").read_text().splitlines()]
-    t0 = {(s["turn"], s["method"]): s["text"] for s in samples if s["temperature"] == 0.0}
+    t0 = greedy_texts(tmp_path / "plots/eagle_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
     bad = [({"method": "draft"}, "set eval.method=eagle"), ({"eagle_tree": {"shape": "chain"}}, "drafts by sampling"),
            ({"lookup_min_ngram": 4}, "lookup_min_ngram")]
