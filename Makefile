@@ -2,6 +2,7 @@
 #   make repro   create .venv, install, fetch the pinned assets, `dvc repro` the default experiment
 #   make test    create .venv, install, fetch the pinned assets, run the tests (fast + slow)
 # Variables: EXPERIMENT=default|cpu_full|smoke, OVERRIDES='generate.max_new_tokens=64 ...',
+#            STAGES='evaluate@eagle evaluate@eagle_lookup' (only these and what they need; default: all),
 #            TORCH='torch==2.13.0' (the CPU wheel here; on a GPU machine e.g. TORCH=torch).
 
 PY ?= $(shell command -v python3.11 || command -v python3)
@@ -10,6 +11,7 @@ BIN := $(abspath $(VENV))/bin
 TORCH ?= torch==2.13.0
 EXPERIMENT ?= default
 OVERRIDES ?=
+STAGES ?=
 export PATH := $(BIN):$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -31,7 +33,7 @@ assets: setup
 	$(BIN)/python pipelines/fetch_assets.py
 
 repro: params
-	$(BIN)/dvc repro
+	$(BIN)/dvc repro $(STAGES)
 
 test: setup assets
 	$(BIN)/python -m pytest

@@ -19,6 +19,7 @@ from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import SamplingConfig, speculative_generate
 from specdistill.decoding.medusa import MedusaProposer, grow_tree
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
+from specdistill.decoding.union import UnionProposer
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.stages import train as train_stage
 
@@ -62,6 +63,7 @@ def proposers(target):
         "eagle3-static": EagleProposer(eagle3, EagleTreeConfig(shape="static", branching=[3, 2, 1]), capacity=128),
         "eagle3-dynamic": EagleProposer(eagle3, dynamic, capacity=128),
         "eagle1-dynamic": EagleProposer(eagle1, dynamic, capacity=128),
+        "eagle3+lookup": UnionProposer(EagleProposer(eagle3, dynamic, capacity=128), PromptLookupProposer(k=4, min_ngram=1)),
     }
 
 
@@ -73,7 +75,7 @@ def test_every_proposer_is_greedy_lossless_on_the_device(target):
             assert res.tokens == greedy(target, prompt, 24), (name, prompt)
 
 
-@pytest.mark.parametrize("name", ["draft-tree", "eagle3-dynamic"])
+@pytest.mark.parametrize("name", ["draft-tree", "eagle3-dynamic", "eagle3+lookup"])
 def test_sampling_at_temperature_one_follows_the_target_on_the_device(target, name):
     """The first two tokens' exact marginals come from the target itself (one batched forward over every
     first token); a CPU generator drives the sampler on the device, as the evaluate stage's does."""
