@@ -6,8 +6,7 @@ Runs the evaluate stage's benchmark (MT-bench both turns and HumanEval, the orde
 prompt to prompt) at T=0 with AR and every variant, so each speed-up divides by the AR of the same run,
 and prints tau, speed-up (jackknife-t 95% interval) and the draft / verify seconds per variant and set.
 A variant is `eagle`, `lookup`, or `u:<nodes>:<lookup_k>:<min_ngram>`: the union of a dynamic EAGLE tree
-of <nodes> nodes (depth 3, top_k 3 for 8 or fewer; depth 3, top_k 2 for 6; depth 4, top_k 4 above) and
-a lookup chain. Needs `dvc repro prepare train@eagle` first. The README's lookup-branch choices come from it.
+of <nodes> nodes (depth / top_k: 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) and a lookup chain. Needs `dvc repro prepare train@eagle` first. The README's lookup-branch choices come from it.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.runner import our_method, run_benchmark
 from specdistill.models.eagle import load_eagle
 from specdistill.models.target import load_target
-from specdistill.stages.evaluate import load_conversations
+from specdistill.stages.evaluate import chat_encoder, load_conversations
 
 DEFAULT = ["eagle", "lookup", "u:8:4:1", "u:8:8:1", "u:8:8:2", "u:8:12:1", "u:6:8:1", "u:12:8:1"]
 
@@ -66,15 +65,10 @@ def main() -> None:
     n = args.prompts or ev["num_prompts"]
     data = {d: load_conversations(ROOT / "data/prompts", d, n) for d in ("mtbench", "humaneval")}
     stops = stop_ids(model, tok)
-    max_pos = 16
+    max_pos = 16  # acceptance by position is tallied up to here (unprinted)
     methods = [our_method(v, model, None if v == "ar" else variant(v), ev["max_new_tokens"], stops, ev["capacity"], max_pos)
                for v in ["ar", *args.variants]]
-
-    def encode(messages):
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
-
-    res = run_benchmark(methods, data, [0.0], 1.0, 0, encode, tok.decode, ev["seed"])
+    res = run_benchmark(methods, data, [0.0], 1.0, 0, chat_encoder(tok), tok.decode, ev["seed"])
     out = {}
     for (dataset, _, name), tally in sorted(res.tallies.items()):
         s = tally.summary(res.tallies[(dataset, "T0", "ar")])

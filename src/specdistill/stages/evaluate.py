@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ class EvalConfig:
         if self.method not in METHODS:
             raise ConfigError(f"eval.method={self.method!r}: use one of {METHODS}")
         try:
-            EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
+            tree = EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
         except (TypeError, ValueError) as e:
             raise ConfigError(f"eval.eagle_tree: {e}") from e
         if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram or self.lookup_k < 1:
@@ -76,8 +77,7 @@ class EvalConfig:
         if self.eagle_lookup and self.method != "eagle":
             raise ConfigError(f"eval.eagle_lookup=true adds a lookup branch to an EAGLE tree: set eval.method=eagle "
                               f"(got {self.method!r}), or eval.eagle_lookup=false")
-        sampled_chain = self.eagle_tree.get("shape", EagleTreeConfig.shape) == "chain" and any(t > 0 for t in self.temperatures)
-        if self.eagle_lookup and sampled_chain:
+        if self.eagle_lookup and tree.shape == "chain" and any(t > 0 for t in self.temperatures):
             raise ConfigError("eval.eagle_lookup=true merges deterministic trees, but a chain drafts by sampling at "
                               "temperature > 0: use eval.eagle_tree.shape=dynamic (or static), or eval.temperatures=[0.0]")
 
@@ -113,6 +113,14 @@ def load_conversations(prompts_dir: Path, name: str, n: int) -> list[Conversatio
     return [Conversation(r["id"], list(r["turns"])) for r in ds.select(range(min(n, len(ds))))]
 
 
+def chat_encoder(tok: Any) -> Callable[[list[dict[str, str]]], list[int]]:
+    """messages -> the token ids the target continues (its chat template, with the assistant's turn opened)."""
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return encode
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ecfg = section(EvalConfig, dict(cfg["eval"]), "eval")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
@@ -120,11 +128,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tok, model = target.tokenizer, target.model
     stops = stop_ids(model, tok)
     data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts) for name in ecfg.datasets}
-
-    def encode(messages: list[dict[str, str]]) -> list[int]:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
-
+    encode = chat_encoder(tok)
     heads = choices = eagle = None
     if ecfg.method == "eagle":
         if not ecfg.eagle_path:
