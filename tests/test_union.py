@@ -8,6 +8,7 @@ import torch
 
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.medusa import MedusaProposer, grow_tree
 from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.union import UnionProposer, merge
@@ -16,7 +17,7 @@ from specdistill.decoding.verifier import TargetVerifier
 from .stats import chi2_p
 from .test_decoding import V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
 from .test_eagle import bigram_head, eagle_eval_config, greedy_texts, random_head, target, tree_paths  # noqa: F401
-from .test_medusa import FeatureBigramVerifier
+from .test_medusa import FeatureBigramVerifier, random_heads
 
 
 def test_merge_is_the_union_of_the_trees_paths():
@@ -79,6 +80,21 @@ def test_greedy_eagle_plus_lookup_equals_plain_greedy(target):  # noqa: F811
         grew += sum(r.draft_len > 5 for r in res.rounds)  # rounds where the lookup branch added nodes
         assert all(r.draft_len <= 5 + 4 for r in res.rounds)
     assert grew > 0  # the prompts repeat themselves, so lookup must have drafted
+
+
+def test_greedy_medusa_plus_lookup_equals_plain_greedy(target):  # noqa: F811
+    """The branch is not EAGLE's alone: Medusa's fixed tree (it reads the final state) merges with lookup too
+    (benchmarks/lookup_branch.py's m: variants)."""
+    choices = grow_tree([[0.5, 0.2, 0.1]] * 3, 6)
+    union = UnionProposer(MedusaProposer(random_heads(target, 3), choices), PromptLookupProposer(k=4))
+    assert union.feature_layers == ("final",)
+    ver = TargetVerifier(target, capacity=128, feature_layers=union.feature_layers)
+    grew = 0
+    for prompt in REPEATING:
+        res = speculative_generate(ver, union, prompt, 24, stops=set())
+        assert res.tokens == plain_greedy(target, prompt, 24), prompt
+        grew += sum(r.draft_len > 6 for r in res.rounds)
+    assert grew > 0
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -1,12 +1,15 @@
-"""EAGLE alone, prompt lookup alone and EAGLE + lookup unions of several sizes, interleaved in one process.
+"""A prompt-lookup branch beside a trained draft: EAGLE, Medusa and lookup alone and their unions, in one process.
 
-    python benchmarks/eagle_lookup_variants.py [--eagle models/eagle] [--prompts 4] [--variants ...] [--out FILE]
+    python benchmarks/lookup_branch.py [--eagle models/eagle] [--medusa models/medusa] [--prompts 4] [--variants ...] [--out FILE]
 
 Runs the evaluate stage's benchmark (MT-bench both turns and HumanEval, the order of methods rotating from
 prompt to prompt) at T=0 with AR and every variant, so each speed-up divides by the AR of the same run,
 and prints tau, speed-up (jackknife-t 95% interval) and the draft / verify seconds per variant and set.
-A variant is `eagle`, `lookup`, or `u:<nodes>:<lookup_k>:<min_ngram>`: the union of a dynamic EAGLE tree
-of <nodes> nodes (depth / top_k: 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) and a lookup chain. Needs `dvc repro prepare train@eagle` first. The README's lookup-branch choices come from it.
+A variant is `eagle`, `medusa`, `lookup`, `u:<nodes>:<lookup_k>:<min_ngram>`: the union of a dynamic EAGLE tree
+of <nodes> nodes (depth / top_k: 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) and a lookup chain, or
+`m:<lookup_k>:<min_ngram>`: Medusa's saved tree of eval.medusa_budget nodes and a lookup chain (is the branch
+EAGLE's edge, or does every deterministic tree gain as much?). Needs `dvc repro prepare train@eagle` (and
+`train@medusa` for the Medusa variants) first. The README's lookup-branch choices come from it.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from _common import ROOT, target_config
 
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+from specdistill.decoding.medusa import MedusaProposer
 from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.runner import our_method, run_benchmark
 from specdistill.models.eagle import load_eagle
+from specdistill.models.medusa import load_medusa
 from specdistill.models.target import load_target
-from specdistill.stages.evaluate import chat_encoder, load_conversations
+from specdistill.stages.evaluate import EvalConfig, chat_encoder, load_conversations, medusa_choices
 
 DEFAULT = ["eagle", "lookup", "u:8:4:1", "u:8:8:1", "u:8:8:2", "u:8:12:1", "u:6:8:1", "u:12:8:1"]
 
@@ -38,29 +43,58 @@ def tree(nodes: int) -> EagleTreeConfig:
     return EagleTreeConfig(shape="dynamic", depth=4, top_k=4, total_tokens=nodes)
 
 
+def parse(name: str) -> tuple[str, tuple[int, ...]]:
+    """A variant's kind and numbers; a bad name fails here, before the target loads."""
+    if name in ("eagle", "medusa", "lookup"):
+        return name, ()
+    kind, *rest = name.split(":")
+    try:
+        numbers = tuple(map(int, rest))
+    except ValueError:
+        numbers = ()
+    if (kind, len(numbers)) not in (("u", 3), ("m", 2)) or min(numbers) < 1:
+        raise SystemExit(f"variant {name!r}: use eagle, medusa, lookup, u:<nodes>:<lookup_k>:<min_ngram> or "
+                         "m:<lookup_k>:<min_ngram> (positive integers)")
+    return kind, numbers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--eagle", default=str(ROOT / "models/eagle"))
+    ap.add_argument("--medusa", default=str(ROOT / "models/medusa"), help="read only for the medusa and m: variants")
     ap.add_argument("--prompts", type=int, default=None, help="per set (default: params.yaml's eval.num_prompts)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT)
     ap.add_argument("--out", default=None, help="also write the summary as JSON here")
     args = ap.parse_args()
+    kinds = {v: parse(v) for v in args.variants}
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     ev = params["eval"]
     target = load_target(target_config(params["target"]["dtype"]))
     tok, model = target.tokenizer, target.model
-    head = load_eagle(args.eagle, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
+    # each draft loads only when a variant asks for it, so an EAGLE-only run needs no Medusa heads
+    used = {kind for kind, _ in kinds.values()}
+    if used & {"eagle", "u"}:
+        head = load_eagle(args.eagle, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
+    if used & {"medusa", "m"}:
+        heads = load_medusa(args.medusa, dtype=model.dtype, target_fingerprint=target.fingerprint).to(target.device)
+        choices = medusa_choices(EvalConfig(method="medusa", medusa_path=args.medusa, medusa_budget=ev["medusa_budget"]))
+
+    def lookup(k: int, lo: int) -> PromptLookupProposer:
+        return PromptLookupProposer(k, max(ev["lookup_max_ngram"], lo), lo)
 
     def variant(name: str):
-        if name == "eagle":
+        kind, numbers = kinds[name]
+        if kind == "eagle":
             return EagleProposer(head, EagleTreeConfig(**ev["eagle_tree"]))
-        if name == "lookup":
-            return PromptLookupProposer(ev["lookup_k"], ev["lookup_max_ngram"], ev["lookup_min_ngram"])
-        try:
-            _, nodes, k, lo = name.split(":")
-            return UnionProposer(EagleProposer(head, tree(int(nodes))), PromptLookupProposer(int(k), max(3, int(lo)), int(lo)))
-        except ValueError as e:
-            raise SystemExit(f"variant {name!r}: use eagle, lookup or u:<nodes>:<lookup_k>:<min_ngram> ({e})") from e
+        if kind == "medusa":
+            return MedusaProposer(heads, choices)
+        if kind == "lookup":
+            return lookup(ev["lookup_k"], ev["lookup_min_ngram"])
+        if kind == "u":
+            nodes, k, lo = numbers
+            return UnionProposer(EagleProposer(head, tree(nodes)), lookup(k, lo))
+        k, lo = numbers
+        return UnionProposer(MedusaProposer(heads, choices), lookup(k, lo))
 
     n = args.prompts or ev["num_prompts"]
     data = {d: load_conversations(ROOT / "data/prompts", d, n) for d in ("mtbench", "humaneval")}
