@@ -72,6 +72,7 @@ def main() -> None:
     target = load_target(target_config(params["target"]["dtype"]))
     tok, model = target.tokenizer, target.model
     # each draft loads only when a variant asks for it, so an EAGLE-only run needs no Medusa heads
+    head = heads = choices = None
     used = {kind for kind, _ in kinds.values()}
     if used & {"eagle", "u"}:
         head = load_eagle(args.eagle, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
