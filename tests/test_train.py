@@ -125,6 +125,13 @@ def test_distillation_raises_alpha(tmp_path, tiny_target_dir, tiny_tokenizer):
     assert res["final"]["val/alpha"] == pytest.approx(alphas[-1], abs=1e-6)
 
 
+@pytest.mark.parametrize("method", ["draft", "medusa"])
+def test_a_method_s_own_trainer_section_wins(tmp_path, tiny_target_dir, generated, method):
+    res = train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, f"method={method}", "trainer.max_steps=50",
+                                              f"++methods.{method}.trainer.max_steps=2", "methods.medusa.num_heads=2", "methods.medusa.vocab_size=128")))
+    assert res["steps"] == 2 and res["settings"]["trainer"]["max_steps"] == 2
+
+
 def test_bad_config_fails_before_the_target_loads(tmp_path, tiny_target_dir, generated):
     with pytest.raises(ConfigError, match="loss"):
         train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=jsd", "loss.params.beta=1.5")))

@@ -58,6 +58,7 @@ class MethodConfig:
     vocab_size: int | None = None
     freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
     init_from: str | None = None  # a saved draft folder to start from instead (continue, or validate with max_steps=0)
+    trainer: dict[str, Any] = field(default_factory=dict)  # over the `trainer` section for this method only
 
 
 METHOD_CONFIGS = {"draft": MethodConfig, "medusa": MedusaMethodConfig, "eagle": EagleMethodConfig,

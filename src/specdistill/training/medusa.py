@@ -38,6 +38,7 @@ class MedusaMethodConfig:
     max_rank: int = 10  # candidate ranks measured per head (the tree builder's acc[k][i])
     tree_budgets: list[int] = field(default_factory=lambda: [16, 32, 64])  # trees saved beside the heads
     init_from: str | None = None  # a saved heads folder to continue from
+    trainer: dict[str, Any] = field(default_factory=dict)  # over the `trainer` section for this method only
 
 
 def head_pairs(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
