@@ -132,6 +132,14 @@ def test_a_method_s_own_trainer_section_wins(tmp_path, tiny_target_dir, generate
     assert res["steps"] == 2 and res["settings"]["trainer"]["max_steps"] == 2
 
 
+def test_progress_shows_in_a_log_file(tmp_path, tiny_target_dir, generated, capfd):
+    """Not a terminal (`nohup dvc repro > log`): the steps still show, as tqdm lines."""
+    train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.max_steps=3",
+                                        "trainer.enable_progress_bar=true")))
+    out = capfd.readouterr()
+    assert "Epoch 0" in out.out + out.err and "1/3" in out.out + out.err  # every step, not only the end
+
+
 def test_bad_config_fails_before_the_target_loads(tmp_path, tiny_target_dir, generated):
     with pytest.raises(ConfigError, match="loss"):
         train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=jsd", "loss.params.beta=1.5")))

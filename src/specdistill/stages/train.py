@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 
 from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
 from specdistill.data.features import check_store
@@ -236,9 +236,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # after every validation pass, so a checkpoint holds the acceptance curve up to its step
     checkpoint = ModelCheckpoint(dirpath=plan.ckpt_dir, filename="step{step}", save_last="link", save_top_k=1,
                                  save_on_train_epoch_end=False, auto_insert_metric_name=False)
+    # tqdm, as the other stages: Lightning's default with `rich` installed draws nothing into a log file
+    # (`nohup dvc repro > log`), so an hour of training would show no progress there
+    bar = [TQDMProgressBar()] if trainer_kwargs.get("enable_progress_bar", True) else []
     try:
         trainer = pl.Trainer(**trainer_kwargs, logger=logger, use_distributed_sampler=False,
-                             callbacks=[CheckpointDir(plan.ckpt_dir, stamp, run_id), checkpoint],
+                             callbacks=[CheckpointDir(plan.ckpt_dir, stamp, run_id), checkpoint, *bar],
                              default_root_dir=str(plan.ckpt_dir))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"trainer: {e}") from e
