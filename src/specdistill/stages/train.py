@@ -201,7 +201,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                           "only its top-k: use distill.teacher=live or loss=fkl/topk_kl")
     optimizer = hydra.utils.instantiate(dist.optimizer)
     scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
-    trainer_kwargs = {**dict(cfg["trainer"]), **dict(getattr(mcfg, "trainer", None) or {})}  # methods.<m>.trainer wins
+    trainer_kwargs = {**dict(cfg["trainer"]), **(mcfg.trainer or {})}  # methods.<m>.trainer wins (every method has one)
     label = {"draft": lambda: size.name, "medusa": lambda: f"k{mcfg.num_heads}"}.get(name, lambda: mcfg.variant)()
     plan = plan_outputs(cfg, name, label, lcfg.name, dist.output)
     generated = Path(cfg["paths"]["generated_dir"])
