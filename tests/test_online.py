@@ -190,7 +190,7 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
                      "metrics_dir": str(tmp_path / "metrics"), "plots_dir": str(tmp_path / "plots")},
            "logger": {"enabled": False}, "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
            "online": {"requests": 4, "held_out": 2, "max_new_tokens": 12, "update_every": 2, "steps": 2,
-                      "batch_size": 2, "topk": 16, "lr": 1e-3, "scenario": scenario}}
+                      "batch_size": 2, "topk": 16, "lr": 1e-3, "scenario": scenario, "gate": int(scenario == "chat")}}
     metrics = online_stage.run(cfg)
     saved = json.loads((tmp_path / "metrics/online_draft.json").read_text())
     assert saved["held_out"]["frozen"]["requests"] == 2 and saved["stream"]["online"]["requests"] == 4
@@ -200,6 +200,9 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
     assert (tmp_path / "models/online_draft/final/config.json").exists()
     assert any(p.name.startswith("v001-r") for p in (tmp_path / "models/online_draft").iterdir())
     assert saved["scenario"] == scenario
+    updates = (tmp_path / "plots/online_draft/updates.csv").read_text().splitlines()
+    assert updates[0].endswith(",gate_before,gate_after,deployed") and len(updates) == 1 + len(saved["updates"])
+    assert all((row.split(",")[6] != "") is (scenario == "chat") for row in updates[1:])  # gated: scores kept
     cfg["online"]["loss"] = "jsd"
     with pytest.raises(ValueError, match="stored top-k"):
         online_stage.run(cfg)
@@ -228,3 +231,78 @@ def test_offline_replay_steps_train_on_the_offline_data_with_a_live_teacher(targ
     with pytest.raises(ValueError, match="replay_offline"):
         OnlineDistiller(module_for(target, draft), DraftLMProposer(serving, k=2), TargetVerifier(target, 128), cfg,
                         set(), 2)
+
+
+def test_buffer_gate_holds_the_newest_requests_out_of_training_batches(target):
+    from specdistill.online.recorder import RequestRecord
+
+    buf = RejectionBuffer(max_tokens=1000)
+    for i in range(5):  # request i: token i everywhere, one rejected and one accepted position
+        buf.add(RequestRecord(tokens=[i] * 8, prompt_len=2, positions=[3, 5], accepted=[False, True],
+                              topk_ids=[torch.tensor([i])] * 2, topk_logprobs=[torch.tensor([0.0])] * 2))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        batch = buf.batch(2, 1.0, 99, g, skip_newest=2)
+        assert set(batch["input_ids"][:, 0].tolist()) <= {0, 1, 2}  # requests 3 and 4 are the gate's
+    gate = buf.newest(2, 99)
+    assert gate["input_ids"][:, 0].tolist() == [3, 4]
+    assert gate["loss_mask"].sum(1).tolist() == [2, 2]  # every judged position, accepted or not
+    assert buf.batch(2, 1.0, 99, g, skip_newest=5) is None and buf.newest(0, 99) is None
+
+
+def greedy_agreement(target, draft, batch):
+    """The share of judged positions where the draft's argmax is the target's: what the gate measures at T=0."""
+    mask = batch["loss_mask"]
+    with torch.no_grad():
+        t = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[mask]
+        d = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[mask]
+    return float((t.argmax(-1) == d.argmax(-1)).float().mean())
+
+
+@pytest.mark.parametrize("lr, tolerance, deployed", [(3e-3, 1.0, True), (30.0, 0.0, False)])
+def test_the_gate_deploys_an_update_or_rolls_it_back(target, lr, tolerance, deployed):
+    draft, serving = student(target), student(target)
+    cfg = OnlineConfig(requests=4, update_every=100, gate=2, gate_tolerance=tolerance, steps=6, batch_size=2, lr=lr,
+                       replay_accepted=1.0, topk=64)
+    module = module_for(target, draft)
+    online = OnlineDistiller(module, DraftLMProposer(serving, k=3), TargetVerifier(target, capacity=128), cfg, set(), 2,
+                             deploy=lambda: serving.load_state_dict(draft.state_dict()))
+    for p in PROMPTS:
+        online.serve(p)
+    gate = online.buffer.newest(2, 2)
+    expected_before = greedy_agreement(target, draft, gate)
+    weights = {k: v.clone() for k, v in draft.state_dict().items()}
+    up = online.update()
+    assert up.gate_before == pytest.approx(expected_before)  # the gate scores what the target's argmax says
+    # deployed: the student scores gate_after; rolled back: it scores gate_before again
+    assert greedy_agreement(target, draft, gate) == pytest.approx(up.gate_after if deployed else up.gate_before)
+    assert up.deployed is deployed and online.version == int(deployed)
+    assert torch.equal(serving.lm_head.weight, draft.lm_head.weight)  # serving = student: updated, or rolled back
+    unchanged = all(torch.equal(weights[k], v) for k, v in draft.state_dict().items())
+    assert unchanged is not deployed
+    if not deployed:
+        assert up.gate_after < up.gate_before  # lr 30 wrecks the draft: the gate saw it ...
+        assert online.optimizer.state_dict()["state"] == {}  # ... and the optimizer forgot the undone steps
+    with pytest.raises(ValueError, match="online.gate=8 must be below"):
+        OnlineConfig(gate=8, update_every=8)
+
+
+def test_the_gate_scores_an_eagle_head_on_its_first_draft_step(target):
+    from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+    from specdistill.training.eagle import EagleModule
+
+    from .test_eagle import random_head
+
+    head, serving = random_head(target, "eagle3").train(), random_head(target, "eagle3")
+    module = EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)
+    cfg = OnlineConfig(method="eagle", requests=3, update_every=100, gate=1, steps=2, batch_size=2, lr=1e-3, topk=32)
+    online = OnlineDistiller(module, EagleProposer(serving, EagleTreeConfig(shape="chain", k=2)),
+                             TargetVerifier(target, capacity=128, feature_layers=head.cfg.feature_layers), cfg, set(), 2,
+                             deploy=lambda: serving.load_state_dict(head.state_dict()))
+    for p in PROMPTS:
+        online.serve(p)
+    scores = module.score(online.buffer.newest(1, 2))
+    assert 0 <= scores["alpha_t0"] <= 1 and scores["alpha_pos1_t0"] == pytest.approx(scores["alpha_t0"])
+    up = online.update()
+    assert up.gate_before == pytest.approx(scores["alpha_t0"]) and up.gate_after is not None
+    assert module.score(online.buffer.newest(1, 2)) == module.score(online.buffer.newest(1, 2))  # metrics reset

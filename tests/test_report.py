@@ -120,5 +120,9 @@ def test_report_has_the_online_table_and_curve(tmp_path, monkeypatch):
         "2,0.21,0.33,0.205,0.315,1\n3,0.21,0.33,0.21,0.33,1\n")
     text = render(tmp_path, monkeypatch)
     assert "| online_draft | code | held out | 2 | 0.210 | 0.330 | +0.120 | 1.20 | 1.40 |" in text
-    assert "| online_draft | 1 | – | 1.0 | 10.0 | 9.1% |" in text
+    assert "| online_draft | 1 | – | – | 1.0 | 10.0 | 9.1% |" in text  # no gate: nothing to roll back
     assert (tmp_path / "reports/online_curves.png").read_bytes()[:4] == b"\x89PNG"
+    online.update(updates=[{"request": 2, "deployed": True}, {"request": 4, "deployed": False}],
+                  settings={"window": 2, "gate": 2})
+    (tmp_path / "metrics/online_draft.json").write_text(json.dumps(online))
+    assert "| online_draft | 2 | 1 | – | 1.0 | 10.0 | 9.1% |" in render(tmp_path, monkeypatch)

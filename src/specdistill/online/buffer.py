@@ -10,6 +10,7 @@ stored top-k as the teacher: the batch has the generate stage's layout (`loss_ma
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -41,12 +42,26 @@ class RejectionBuffer:
         return len(self.requests)
 
     def batch(self, size: int, replay_accepted: float, pad_id: int, generator: torch.Generator,
-              max_length: int = 1024) -> dict[str, torch.Tensor] | None:
-        """`size` requests drawn without replacement; None if no position is chosen."""
-        if not self.requests:
+              max_length: int = 1024, skip_newest: int = 0) -> dict[str, torch.Tensor] | None:
+        """`size` requests drawn without replacement, leaving out the `skip_newest` latest (an update's gate);
+        None if no position is chosen."""
+        pool = len(self.requests) - skip_newest
+        if pool < 1:
             return None
-        pick = torch.randperm(len(self.requests), generator=generator)[:size].tolist()
-        rows = [self.requests[i] for i in pick]
+        pick = torch.randperm(pool, generator=generator)[:size].tolist()
+        return self._collate([self.requests[i] for i in pick], pad_id, max_length,
+                             lambda ok: not ok or float(torch.rand((), generator=generator)) < replay_accepted)
+
+    def newest(self, n: int, pad_id: int, max_length: int = 1024) -> dict[str, torch.Tensor] | None:
+        """The latest `n` requests with every judged position in the loss mask: what an update is checked on."""
+        if n < 1 or not self.requests:
+            return None
+        return self._collate(list(self.requests)[-n:], pad_id, max_length, lambda ok: True)
+
+    @staticmethod
+    def _collate(rows: list[RequestRecord], pad_id: int, max_length: int,
+                 keep: Callable[[bool], bool]) -> dict[str, torch.Tensor] | None:
+        """The rows in the generate stage's batch layout; `keep(accepted)` decides each judged position."""
         b, t = len(rows), min(max(len(r.tokens) for r in rows), max_length)
         k = len(rows[0].topk_ids[0])
         input_ids = torch.full((b, t), pad_id, dtype=torch.long)
@@ -61,9 +76,7 @@ class RejectionBuffer:
             attention[i, :len(seq)] = 1
             for pos, ok, ids, lp in zip(rec.positions, rec.accepted, rec.topk_ids, rec.topk_logprobs, strict=True):
                 p = pos - start
-                if not 0 <= p < len(seq) - 1:
-                    continue
-                if ok and float(torch.rand((), generator=generator)) >= replay_accepted:
+                if not 0 <= p < len(seq) - 1 or not keep(ok):
                     continue
                 loss_mask[i, p] = True
                 topk_ids[i, p], topk_lp[i, p] = ids, lp

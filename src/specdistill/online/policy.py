@@ -31,6 +31,8 @@ class OnlineConfig:
     patience: int = 3  # updates without a gain of `epsilon` in the window before updating stops
     epsilon: float = 0.005
     rearm: float = 0.1  # updating resumes once a full window falls this far below the best one (0: never)
+    gate: int = 0  # newest requests kept out of each update to check it on: the update is deployed only if ...
+    gate_tolerance: float = 0.0  # ... the draft's acceptance there falls by at most this, else it is rolled back
     save_every: int = 1  # keep every N-th deployed version (safetensors, with its request count)
     seed: int = 0
 
@@ -41,6 +43,12 @@ class OnlineConfig:
             raise ValueError(f"online.scenario={self.scenario!r}: use code or chat")
         if min(self.requests, self.update_every, self.steps, self.batch_size, self.window, self.patience) < 1:
             raise ValueError("online requests, update_every, steps, batch_size, window and patience must be >= 1")
+        if self.gate < 0 or self.gate_tolerance < 0:
+            raise ValueError(f"online.gate={self.gate} and online.gate_tolerance={self.gate_tolerance} must be >= 0 "
+                             "(gate 0: every update is deployed unchecked)")
+        if self.gate >= self.update_every:
+            raise ValueError(f"online.gate={self.gate} must be below online.update_every={self.update_every}: an update "
+                             "trains on the requests before its gate")
         if self.rearm < 0:
             raise ValueError(f"online.rearm={self.rearm} must be >= 0 (0: never resume after stopping)")
         for key in ("replay_accepted", "replay_offline"):

@@ -11,6 +11,7 @@ update: the updated draft serves the next request; every `save_every`-th deploye
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +55,9 @@ class Update:
     positions: int
     buffer_requests: int
     buffer_rejected: int
+    gate_before: float | None = None  # the draft's acceptance on the gate requests before the update (online.gate)
+    gate_after: float | None = None  # ... and after it
+    deployed: bool = True  # False: the gate rolled it back
 
 
 @dataclass
@@ -92,7 +96,7 @@ class OnlineDistiller:
         self.module = module
         if learn:
             self.fabric = Fabric(accelerator="cpu" if module.device.type == "cpu" else "auto", devices=1)
-            params = module.student_parameters()
+            self.params = params = module.student_parameters()
             self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
             # Fabric routes the module's self.log calls and owns backward (precision, devices); the module is the
             # offline one, so its training_step is the offline loss
@@ -131,9 +135,17 @@ class OnlineDistiller:
         return by_count or by_rejections
 
     def update(self) -> Update | None:
-        """A few optimizer steps on buffered batches; the next request is served by the updated draft."""
+        """A few optimizer steps on buffered batches; the next request is served by the updated draft.
+        With `online.gate`, the newest requests are kept out of the steps and the draft's acceptance on them
+        (against a live target pass) is measured before and after: an update that lowers it by more than
+        `gate_tolerance` is undone (weights and optimizer state) and the deployed draft stays."""
         self._since_update = 0
         t0 = time.perf_counter()
+        gate = self.buffer.newest(self.cfg.gate, self.pad_id) if self.cfg.gate else None
+        if gate is not None:
+            gate = {k: v.to(self.module.device) for k, v in gate.items()}
+            before = self._gate_score(gate)
+            snapshot = [p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict())
         losses, positions = [], 0
         self.module.train()
         for _ in range(self.cfg.steps):
@@ -141,7 +153,8 @@ class OnlineDistiller:
             if self.offline is not None and float(torch.rand((), generator=self.generator)) < self.cfg.replay_offline:
                 batch, module = next(self.offline), self.offline_module
             else:
-                batch = self.buffer.batch(self.cfg.batch_size, self.cfg.replay_accepted, self.pad_id, self.generator)
+                batch = self.buffer.batch(self.cfg.batch_size, self.cfg.replay_accepted, self.pad_id, self.generator,
+                                          skip_newest=self.cfg.gate if gate is not None else 0)
             if batch is None:
                 continue
             batch = {k: v.to(self.module.device) for k, v in batch.items()}
@@ -154,14 +167,31 @@ class OnlineDistiller:
         self.module.eval()
         if not losses:
             return None
-        self.version += 1
-        if self.deploy is not None:
-            self.deploy()  # the proposer's caches are rebuilt at the next request (the loop resets it)
+        gate_scores, deployed = (None, None), True
+        if gate is not None:
+            gate_scores = before, self._gate_score(gate)
+            deployed = gate_scores[1] >= before - self.cfg.gate_tolerance
+            if not deployed:  # undo: the student and the optimizer as the deployed draft left them
+                with torch.no_grad():
+                    for p, kept in zip(self.params, snapshot[0], strict=True):
+                        p.copy_(kept)
+                self.optimizer.load_state_dict(snapshot[1])
+        if deployed:
+            self.version += 1
+            if self.deploy is not None:
+                self.deploy()  # the proposer's caches are rebuilt at the next request (the loop resets it)
         up = Update(len(self.log.served), time.perf_counter() - t0, sum(losses) / len(losses), positions,
-                    len(self.buffer), self.buffer.rejected)
+                    len(self.buffer), self.buffer.rejected, *gate_scores, deployed)
         self.log.updates.append(up)
-        if self.save is not None and self.save_dir is not None and self.version % self.cfg.save_every == 0:
+        if deployed and self.save is not None and self.save_dir is not None and self.version % self.cfg.save_every == 0:
             self.save(self.save_dir / f"v{self.version:03d}-r{up.request:04d}", up.request)
-        log.info("online update %d after %d requests: loss %.4f on %d positions, %.1f s", self.version, up.request,
-                 up.loss, positions, up.seconds)
+        log.info("online update after %d requests: loss %.4f on %d positions, %.1f s%s", up.request, up.loss, positions,
+                 up.seconds, "" if gate is None else
+                 f"; gate acceptance {gate_scores[0]:.3f} -> {gate_scores[1]:.3f}: "
+                 + (f"deployed as version {self.version}" if deployed else "rolled back"))
         return up
+
+    def _gate_score(self, batch: dict[str, torch.Tensor]) -> float:
+        """Teacher-forced acceptance on the gate batch at the serving temperature (greedy agreement at T=0)."""
+        values = self.module.score(batch)
+        return values["alpha_t0" if self.cfg.temperature == 0 else "alpha"]

@@ -36,10 +36,12 @@ def online_tables(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]]
             lines.append(f"| {name} | {m['scenario']} | {part.replace('_', ' ')} | {p['online']['requests']} | "
                          f"{p['frozen']['acceptance_rate']:.3f} | {p['online']['acceptance_rate']:.3f} | "
                          f"{p['gain']:+.3f} | {p['frozen']['tau']:.2f} | {p['online']['tau']:.2f} |")
-    lines += ["", "| run | updates | stopped after | update s | serving s | update share |", "|---|---|---|---|---|---|"]
+    lines += ["", "| run | updates | rolled back by the gate | stopped after | update s | serving s | update share |",
+              "|---|---|---|---|---|---|---|"]
     for name, (m, _) in runs.items():
         t = m["time"]
-        lines.append(f"| {name} | {len(m['updates'])} | {m['stopped_at'] or '–'} | {t['update_s']:.1f} | "
+        rolled = sum(not u.get("deployed", True) for u in m["updates"]) if m.get("settings", {}).get("gate") else "–"
+        lines.append(f"| {name} | {len(m['updates'])} | {rolled} | {m['stopped_at'] or '–'} | {t['update_s']:.1f} | "
                      f"{t['serve_s']:.1f} | {t['update_share']:.1%} |")
     return [*lines, "", "![online acceptance](online_curves.png)", ""]
 

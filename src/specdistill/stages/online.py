@@ -210,10 +210,12 @@ def write_outputs(metrics: dict[str, Any], frozen: OnlineLog, online: OnlineLog,
                 w.writerow([i, round(a, 4), round(b, 4), round(ma, 4), round(mb, 4), online.served[i].version])
         with open(tmp / "updates.csv", "w", newline="") as fh:
             w = csv.writer(fh)
-            w.writerow(["request", "seconds", "loss", "positions", "buffer_requests", "buffer_rejected"])
+            w.writerow(["request", "seconds", "loss", "positions", "buffer_requests", "buffer_rejected", "gate_before",
+                        "gate_after", "deployed"])
             for u in online.updates:
                 w.writerow([u.request, round(u.seconds, 3), round(u.loss, 5), u.positions, u.buffer_requests,
-                            u.buffer_rejected])
+                            u.buffer_rejected, "" if u.gate_before is None else round(u.gate_before, 4),
+                            "" if u.gate_after is None else round(u.gate_after, 4), int(u.deployed)])
 
 
 def log_wandb(run: Any, frozen: OnlineLog, online: OnlineLog, window: int) -> None:
@@ -225,4 +227,6 @@ def log_wandb(run: Any, frozen: OnlineLog, online: OnlineLog, window: int) -> No
         run.log({"online/request": i, "online/acceptance_frozen": a, "online/acceptance_online": b,
                  "online/tau_online": online.served[i].tau, "online/version": online.served[i].version})
     for u in online.updates:
-        run.log({"online/update_request": u.request, "online/update_seconds": u.seconds, "online/update_loss": u.loss})
+        run.log({"online/update_request": u.request, "online/update_seconds": u.seconds, "online/update_loss": u.loss,
+                 "online/update_deployed": int(u.deployed),
+                 **({} if u.gate_before is None else {"online/gate_before": u.gate_before, "online/gate_after": u.gate_after})})

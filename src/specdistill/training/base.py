@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 
 from specdistill.models.vocab import target_to_draft, to_target_logits
 from specdistill.training.losses import Divergence, Teacher
@@ -153,6 +153,25 @@ class DistillModule(pl.LightningModule):
         self.log_dict({k: v.float() for k, v in logged.items()}, sync_dist=False)
         if not self.trainer.sanity_checking:
             self.val_history.append({"step": self.global_step, **{k: float(v) for k, v in logged.items()}})
+
+    @property
+    def acceptance_metric(self) -> Any:
+        """The metric `validation_step` accumulates acceptance in."""
+        return self.val_acceptance
+
+    @torch.no_grad()
+    def score(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The validation acceptance (alpha, alpha_t0, alpha_pos{k}, tau_sim...) of the student on one batch,
+        outside a Lightning loop (an online update's gate); the validation metrics are left empty."""
+        training = self.training
+        self.eval()
+        self.validation_step(batch, 0)
+        values = {k: float(v) for k, v in self.acceptance_metric.compute().items()}
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.reset()
+        self.train(training)
+        return values
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["val_history"] = self.val_history  # a resumed run continues the curve

@@ -130,6 +130,10 @@ class EagleModule(DistillModule):
         self.val_unrolled = UnrolledAcceptance(self.val_steps)
         self.val_coverage = MeanMetric()
 
+    @property
+    def acceptance_metric(self) -> Any:
+        return self.val_unrolled
+
     @torch.no_grad()
     def _target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Teacher]:
         """(the head's input features [B, T, F], the target at the scored positions): from the features
