@@ -233,7 +233,7 @@ def test_offline_replay_steps_train_on_the_offline_data_with_a_live_teacher(targ
                         set(), 2)
 
 
-def test_buffer_gate_holds_the_newest_requests_out_of_training_batches(target):
+def test_buffer_gate_holds_the_newest_requests_out_of_training_batches():
     from specdistill.online.recorder import RequestRecord
 
     buf = RejectionBuffer(max_tokens=1000)

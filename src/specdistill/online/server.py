@@ -185,10 +185,9 @@ class OnlineDistiller:
         self.log.updates.append(up)
         if deployed and self.save is not None and self.save_dir is not None and self.version % self.cfg.save_every == 0:
             self.save(self.save_dir / f"v{self.version:03d}-r{up.request:04d}", up.request)
-        log.info("online update after %d requests: loss %.4f on %d positions, %.1f s%s", up.request, up.loss, positions,
-                 up.seconds, "" if gate is None else
-                 f"; gate acceptance {gate_scores[0]:.3f} -> {gate_scores[1]:.3f}: "
-                 + (f"deployed as version {self.version}" if deployed else "rolled back"))
+        log.info("online update after %d requests: loss %.4f on %d positions, %.1f s; %s%s", up.request, up.loss,
+                 positions, up.seconds, "" if gate is None else f"gate acceptance {before:.3f} -> {up.gate_after:.3f}: ",
+                 f"deployed as version {self.version}" if deployed else "rolled back")
         return up
 
     def _gate_score(self, batch: dict[str, torch.Tensor]) -> float:

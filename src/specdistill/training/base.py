@@ -142,15 +142,15 @@ class DistillModule(pl.LightningModule):
         self.val_acceptance.update(t_logits, self.to_target_vocab(s_logits), mask)
 
     def on_validation_epoch_end(self) -> None:
-        values = self.val_acceptance.compute()  # synced across ranks (sums)
+        values = self.acceptance_metric.compute()  # synced across ranks (sums)
         logged = {"val/loss": self.val_loss.compute(), "val/alpha": values["alpha"], "val/alpha_t0": values["alpha_t0"],
                   "val/tau_sim": values[f"tau_sim{self.tau_k}"], "val/tau_sim_t0": values[f"tau_sim{self.tau_k}_t0"]}
-        self.val_acceptance.reset()
-        self.val_loss.reset()
         for key, v in values.items():
             if key.startswith(("alpha_pos", "tau_sim")):
                 logged[f"val/{key}"] = v
-        self.log_dict({k: v.float() for k, v in logged.items()}, sync_dist=False)
+        logged.update(self.extra_validation_logs())
+        self._reset_metrics()
+        self.log_dict({k: torch.as_tensor(v).float() for k, v in logged.items()}, sync_dist=False)
         if not self.trainer.sanity_checking:
             self.val_history.append({"step": self.global_step, **{k: float(v) for k, v in logged.items()}})
 
@@ -158,6 +158,15 @@ class DistillModule(pl.LightningModule):
     def acceptance_metric(self) -> Any:
         """The metric `validation_step` accumulates acceptance in."""
         return self.val_acceptance
+
+    def extra_validation_logs(self) -> dict[str, torch.Tensor]:
+        """What a method logs at the end of validation beside loss and acceptance."""
+        return {}
+
+    def _reset_metrics(self) -> None:
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.reset()
 
     @torch.no_grad()
     def score(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -167,9 +176,7 @@ class DistillModule(pl.LightningModule):
         self.eval()
         self.validation_step(batch, 0)
         values = {k: float(v) for k, v in self.acceptance_metric.compute().items()}
-        for metric in self.modules():
-            if isinstance(metric, Metric):
-                metric.reset()
+        self._reset_metrics()
         self.train(training)
         return values
 

@@ -193,18 +193,5 @@ class EagleModule(DistillModule):
         # anchors of step i are a subset of step 0's (the response is contiguous): chains stop at its end
         self.val_unrolled.update(alphas, greedies, start)
 
-    def on_validation_epoch_end(self) -> None:
-        values = self.val_unrolled.compute()
-        self.val_unrolled.reset()
-        logged = {"val/loss": self.val_loss.compute(), "val/alpha": values["alpha"], "val/alpha_t0": values["alpha_t0"],
-                  "val/tau_sim": values[f"tau_sim{self.tau_k}"], "val/tau_sim_t0": values[f"tau_sim{self.tau_k}_t0"]}
-        self.val_loss.reset()
-        for key, v in values.items():
-            if key.startswith(("alpha_pos", "tau_sim")):
-                logged[f"val/{key}"] = v
-        if self.d2t is not None:
-            logged["val/vocab_coverage"] = self.val_coverage.compute()
-            self.val_coverage.reset()
-        self.log_dict({k: torch.as_tensor(v).float() for k, v in logged.items()}, sync_dist=False)
-        if not self.trainer.sanity_checking:
-            self.val_history.append({"step": self.global_step, **{k: float(v) for k, v in logged.items()}})
+    def extra_validation_logs(self) -> dict[str, torch.Tensor]:
+        return {} if self.d2t is None else {"val/vocab_coverage": self.val_coverage.compute()}
