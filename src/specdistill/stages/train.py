@@ -38,6 +38,7 @@ from specdistill.models.draft_lm import (
 )
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
+from specdistill.training.base import MethodConfigBase
 from specdistill.training.eagle import EagleMethodConfig
 from specdistill.training.losses import LossError, build_loss
 from specdistill.training.medusa import MedusaMethodConfig
@@ -52,13 +53,11 @@ METHODS = ("draft", "medusa", "eagle", "eagle1")
 
 
 @dataclass
-class MethodConfig:
+class MethodConfig(MethodConfigBase):
     name: str = "draft"
     init: str = "from_target"
     vocab_size: int | None = None
     freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
-    init_from: str | None = None  # a saved draft folder to start from instead (continue, or validate with max_steps=0)
-    trainer: dict[str, Any] = field(default_factory=dict)  # over the `trainer` section for this method only
 
 
 METHOD_CONFIGS = {"draft": MethodConfig, "medusa": MedusaMethodConfig, "eagle": EagleMethodConfig,

@@ -22,7 +22,7 @@ vocabulary, and val/vocab_coverage, the target's probability mass inside the dra
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,13 +31,13 @@ from transformers import DynamicCache
 
 from specdistill.models.eagle import EagleHead, default_feature_layers, unit_rms
 from specdistill.models.hidden import HiddenTap
-from specdistill.training.base import DistillModule
+from specdistill.training.base import DistillModule, MethodConfigBase
 from specdistill.training.losses import Teacher
 from specdistill.training.metrics import UnrolledAcceptance, token_acceptance
 
 
 @dataclass
-class EagleMethodConfig:
+class EagleMethodConfig(MethodConfigBase):
     name: str = "eagle"
     variant: str = "eagle3"  # eagle1 | eagle3
     feature_layers: list[int] | None = None  # null: eagle1 [L] (the final norm's input); eagle3 [2, L//2, L-3]
@@ -47,10 +47,8 @@ class EagleMethodConfig:
     feature_weight: float = 1.0  # eagle1: SmoothL1 on the predicted state
     ce_weight: float = 0.1  # eagle1: weight of the token loss through the frozen LM head
     noise: float = 0.0  # uniform noise in [-noise, noise] on the (unit-RMS) input features while training
-    init_from: str | None = None  # a saved head folder to continue from
-    # over the `trainer` section for this method only: with precomputed features an EAGLE step costs about
-    # half a live one, so an experiment can give EAGLE more steps in the same time (conf/experiment/)
-    trainer: dict[str, Any] = field(default_factory=dict)
+    # (its `trainer` override matters most here: with precomputed features an EAGLE step costs about half
+    # a live one, so an experiment can give EAGLE more steps in the same time, conf/experiment/)
     teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
 
     def layers(self, num_layers: int) -> list[int]:

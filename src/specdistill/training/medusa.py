@@ -23,13 +23,13 @@ import torch
 
 from specdistill.decoding.medusa import expected_accepted, grow_tree
 from specdistill.models.medusa import MedusaHeads
-from specdistill.training.base import DistillModule
+from specdistill.training.base import DistillModule, MethodConfigBase
 from specdistill.training.losses import Teacher
 from specdistill.training.metrics import HeadAccuracy
 
 
 @dataclass
-class MedusaMethodConfig:
+class MedusaMethodConfig(MethodConfigBase):
     name: str = "medusa"
     num_heads: int = 4  # K
     num_layers: int = 1  # residual blocks per head
@@ -37,8 +37,6 @@ class MedusaMethodConfig:
     decay: float = 0.8  # head k's loss weight decay^k
     max_rank: int = 10  # candidate ranks measured per head (the tree builder's acc[k][i])
     tree_budgets: list[int] = field(default_factory=lambda: [16, 32, 64])  # trees saved beside the heads
-    init_from: str | None = None  # a saved heads folder to continue from
-    trainer: dict[str, Any] = field(default_factory=dict)  # over the `trainer` section for this method only
 
 
 def head_pairs(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
