@@ -93,7 +93,7 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     eagle["final"]["val/vocab_coverage"] = 0.883
     (tmp_path / "metrics/train_eagle.json").write_text(json.dumps(eagle))
     union = metrics("eagle", [0.5, 0.4], 2.5)
-    union["settings"].update(eagle_variant="eagle3", draft_vocab=8192, eagle_lookup=True, lookup_k=8,
+    union["settings"].update(eagle_variant="eagle3", draft_vocab=8192, lookup_branch=True, lookup_k=8,
                              eagle_tree={"shape": "dynamic", "total_tokens": 8})
     (tmp_path / "metrics/eagle_lookup.json").write_text(json.dumps(union))
     text = render(tmp_path, monkeypatch)
@@ -126,3 +126,17 @@ def test_report_has_the_online_table_and_curve(tmp_path, monkeypatch):
                   settings={"window": 2, "gate": 2})
     (tmp_path / "metrics/online_draft.json").write_text(json.dumps(online))
     assert "| online_draft | 2 | 1 | – | 1.0 | 10.0 | 9.1% |" in render(tmp_path, monkeypatch)
+
+
+def test_draft_label_names_a_lookup_branch_for_every_method_and_the_key_it_had_before():
+    from specdistill.reporting.tables import draft_label
+    eagle = {"method": "eagle", "settings": {"eagle_variant": "eagle3", "draft_vocab": 8192, "lookup_k": 8,
+                                             "eagle_tree": {"shape": "dynamic", "total_tokens": 8}}}
+    assert draft_label(eagle)[0] == "eagle3, dynamic tree 8 nodes (8192 tokens)"
+    old = {**eagle, "settings": {**eagle["settings"], "eagle_lookup": True}}  # metrics written before the rename
+    assert draft_label(old)[0] == "eagle3, dynamic tree 8 nodes + lookup chain K=8 (8192 tokens)"
+    medusa = {"method": "medusa", "settings": {"medusa_heads": 4, "tree_nodes": 16, "draft_vocab": 8192,
+                                               "lookup_branch": True, "lookup_k": 6}}
+    assert draft_label(medusa)[0] == "Medusa 4 heads, 16-node tree + lookup chain K=6 (8192 tokens)"
+    untrained = {"method": "draft", "settings": {"draft": "target's first 4 layers", "lookup_branch": True, "lookup_k": 8}}
+    assert draft_label(untrained) == ("target's first 4 layers + lookup chain K=8", "untrained")

@@ -114,14 +114,25 @@ def test_eagle_plus_lookup_sampling_is_lossless():
 def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):
     from specdistill.stages import evaluate as evaluate_stage
     from specdistill.stages.common import ConfigError
-    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", eagle_lookup=True,
+    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", lookup_branch=True,
                             hf_baselines=False, lookup_k=4)
     metrics = evaluate_stage.run(cfg)
-    assert metrics["settings"]["eagle_lookup"] is True
+    assert metrics["settings"]["lookup_branch"] is True
     t0 = greedy_texts(tmp_path / "plots/eagle_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
-    bad = [({"method": "draft"}, "set eval.method=eagle"), ({"eagle_tree": {"shape": "chain"}}, "drafts by sampling"),
-           ({"lookup_min_ngram": 4}, "lookup_min_ngram")]
+    bad = [({"method": "lookup"}, "the chain alone"), ({"eagle_tree": {"shape": "chain"}}, "eagle chain drafts by sampling"),
+           ({"method": "draft"}, r"draft chain drafts by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram")]
     for change, message in bad:
         with pytest.raises(ConfigError, match=message):
             evaluate_stage.run({**cfg, "eval": {**cfg["eval"], **change}})
+
+
+def test_evaluate_stage_runs_a_separate_draft_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):
+    """The branch is not EAGLE's: a draft LM's top-k tree (here the target's first layers, untrained) merges too."""
+    from specdistill.stages import evaluate as evaluate_stage
+    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="draft_lookup", method="draft", tree=[2, 2],
+                            lookup_branch=True, hf_baselines=False, lookup_k=4, draft_layers=1)
+    metrics = evaluate_stage.run(cfg)
+    assert metrics["settings"]["lookup_branch"] is True and metrics["method"] == "draft"
+    t0 = greedy_texts(tmp_path / "plots/draft_lookup/samples.jsonl")
+    assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]

@@ -36,15 +36,22 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
         t = s.get("eagle_tree") or {}
         shape = {"dynamic": f"dynamic tree {t.get('total_tokens')} nodes", "chain": f"chain K={t.get('k')}"}.get(
             t.get("shape"), f"static tree {t.get('branching')}")
-        lookup = f" + lookup chain K={s.get('lookup_k')}" if s.get("eagle_lookup") else ""
-        return f"{s.get('eagle_variant')}, {shape}{lookup} ({s.get('draft_vocab')} tokens)", data
+        return f"{s.get('eagle_variant')}, {shape}{lookup_branch(s)} ({s.get('draft_vocab')} tokens)", data
     if metrics["method"] == "medusa":
         data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
-        return f"Medusa {s.get('medusa_heads')} heads, {s.get('tree_nodes')}-node tree ({s.get('draft_vocab')} tokens)", data
+        return (f"Medusa {s.get('medusa_heads')} heads, {s.get('tree_nodes')}-node tree{lookup_branch(s)} "
+                f"({s.get('draft_vocab')} tokens)", data)
     if trained:
         vocab = s.get("draft_vocab")
-        return f"{trained['draft_size']} ({vocab} tokens)", f"{trained['loss']} on {trained['data']}"
-    return str(s.get("draft") or "draft"), "untrained"
+        return f"{trained['draft_size']}{lookup_branch(s)} ({vocab} tokens)", f"{trained['loss']} on {trained['data']}"
+    return f"{s.get('draft') or 'draft'}{lookup_branch(s)}", "untrained"
+
+
+def lookup_branch(settings: dict[str, Any]) -> str:
+    """' + lookup chain K=..' for a run verified with a lookup branch (`eagle_lookup`: its name before it
+    served every method, in metrics written then)."""
+    on = settings.get("lookup_branch", settings.get("eagle_lookup"))
+    return f" + lookup chain K={settings.get('lookup_k')}" if on else ""
 
 
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:

@@ -55,10 +55,11 @@ class EvalConfig:
     medusa_choices: list[list[int]] | None = None  # an explicit Medusa tree instead of a saved one
     eagle_path: str | None = None  # train@eagle writes models/eagle (eagle3), train@eagle1 models/eagle1
     eagle_tree: dict[str, Any] = field(default_factory=dict)  # decoding/eagle.py EagleTreeConfig
-    # the EAGLE tree and a prompt-lookup chain verified as one tree (decoding/union.py): lookup copies the
-    # spans an answer repeats from its prompt or earlier turn, where the head is weak
-    eagle_lookup: bool = False
-    lookup_k: int = 8  # prompt lookup (method=lookup, the draft method's lookup row, eagle_lookup's branch)
+    # the method's draft (draft, medusa or eagle) and a prompt-lookup chain verified as one tree
+    # (decoding/union.py): lookup copies the spans an answer repeats from its prompt or earlier turn, where a
+    # small draft is weak (evaluate@eagle_lookup)
+    lookup_branch: bool = False
+    lookup_k: int = 8  # prompt lookup (method=lookup, the draft method's lookup row, lookup_branch)
     lookup_max_ngram: int = 3
     lookup_min_ngram: int = 1
     capacity: int = 4096  # KV cache tokens per generation
@@ -74,12 +75,14 @@ class EvalConfig:
         if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram or self.lookup_k < 1:
             raise ConfigError(f"eval.lookup_*: need 1 <= lookup_min_ngram ({self.lookup_min_ngram}) <= lookup_max_ngram "
                               f"({self.lookup_max_ngram}) and lookup_k >= 1 ({self.lookup_k})")
-        if self.eagle_lookup and self.method != "eagle":
-            raise ConfigError(f"eval.eagle_lookup=true adds a lookup branch to an EAGLE tree: set eval.method=eagle "
-                              f"(got {self.method!r}), or eval.eagle_lookup=false")
-        if self.eagle_lookup and tree.shape == "chain" and any(t > 0 for t in self.temperatures):
-            raise ConfigError("eval.eagle_lookup=true merges deterministic trees, but a chain drafts by sampling at "
-                              "temperature > 0: use eval.eagle_tree.shape=dynamic (or static), or eval.temperatures=[0.0]")
+        if self.lookup_branch and self.method == "lookup":
+            raise ConfigError("eval.lookup_branch=true adds a lookup chain to a trained draft's: set eval.method to "
+                              "draft, medusa or eagle, or eval.lookup_branch=false (method=lookup is the chain alone)")
+        sampled_chain = {"eagle": tree.shape == "chain", "draft": not self.tree}.get(self.method, False)
+        if self.lookup_branch and sampled_chain and any(t > 0 for t in self.temperatures):
+            fix = "eval.eagle_tree.shape=dynamic (or static)" if self.method == "eagle" else "eval.tree=[...] (a top-k tree)"
+            raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but a {self.method} chain drafts by "
+                              f"sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
 
 
 def draft_training(path: str | None) -> dict[str, Any] | None:
@@ -145,6 +148,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
     lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram, ecfg.lookup_min_ngram)
+    with_lookup = lambda proposer: UnionProposer(proposer, lookup) if ecfg.lookup_branch else proposer  # noqa: E731
     methods = [ours("ar", None)]
     if ecfg.hf_baselines:
         methods.append(hf_method("hf_generate", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0))
@@ -160,7 +164,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                       "draft_parameters": sum(p.numel() for p in draft.parameters()),
                       "draft_vocab": len(draft.d2t) if reduced else target.vocab_size,
                       "draft_training": draft_training(ecfg.draft_path)}
-        methods.append(ours("spec", DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree, capacity=ecfg.capacity)))
+        methods.append(ours("spec", with_lookup(DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree,
+                                                               capacity=ecfg.capacity))))
         if ecfg.hf_baselines and not reduced:  # HF assisted generation needs the draft's full vocabulary
             methods.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0,
                                      assistant=draft, k=ecfg.k))
@@ -170,14 +175,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         draft_info = {"draft": ecfg.medusa_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
                       "draft_vocab": heads.cfg.draft_vocab_size or heads.cfg.vocab_size, "medusa_heads": heads.num_heads,
                       "tree_nodes": len(choices), "medusa_choices": [list(c) for c in choices], "draft_training": draft_training(ecfg.medusa_path)}
-        methods.append(ours("spec", MedusaProposer(heads, choices)))
+        methods.append(ours("spec", with_lookup(MedusaProposer(heads, choices))))
     elif ecfg.method == "eagle":
         n_params, n_bytes = parameter_bytes(eagle.head, model.dtype)
         draft_info = {"draft": ecfg.eagle_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
                       "draft_vocab": eagle.head.cfg.draft_vocab_size or eagle.head.cfg.vocab_size,
                       "eagle_variant": eagle.head.cfg.variant, "eagle_tree": asdict(eagle.tree),
                       "draft_training": draft_training(ecfg.eagle_path)}
-        methods.append(ours("spec", UnionProposer(eagle, lookup) if ecfg.eagle_lookup else eagle))
+        methods.append(ours("spec", with_lookup(eagle)))
     else:
         methods.append(ours("spec", lookup))
 
