@@ -306,3 +306,41 @@ def test_the_gate_scores_an_eagle_head_on_its_first_draft_step(target):
     up = online.update()
     assert up.gate_before == pytest.approx(scores["alpha_t0"]) and up.gate_after is not None
     assert module.score(online.buffer.newest(1, 2)) == module.score(online.buffer.newest(1, 2))  # metrics reset
+
+
+def test_a_score_memo_runs_the_target_once_for_the_gates_two_scores(target):
+    """The gate scores its requests before and after an update against the same frozen target: with a memo
+    the target's pass runs once, and the scores are those of a fresh pass (the student changed in between)."""
+    from specdistill.online.recorder import RequestRecord
+    from specdistill.training.eagle import EagleModule
+
+    from .test_eagle import random_head
+
+    draft = student(target)
+    head = random_head(target, "eagle3").train()
+    modules = {"draft": module_for(target, draft),
+               "eagle": EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)}
+    buf = RejectionBuffer(max_tokens=1000)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        tokens = torch.randint(3, 60, (12,), generator=g).tolist()
+        buf.add(RequestRecord(tokens=tokens, prompt_len=4, positions=[5, 7, 9], accepted=[False, True, False],
+                              topk_ids=[torch.tensor([1])] * 3, topk_logprobs=[torch.tensor([0.0])] * 3))
+    batch = buf.newest(2, 2)
+    calls = []
+    hook = target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for name, module in modules.items():
+            calls.clear()
+            memo: dict = {}
+            before = module.score(batch, memo)
+            with torch.no_grad():  # the student changes, as an update would change it
+                for p in module.student_parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            after = module.score(batch, memo)
+            assert len(calls) == 1, name  # one target pass for both scores
+            assert after == module.score(batch) and len(calls) == 2, name  # a fresh pass scores the same
+            assert after != before, name  # and the memo held the target's pass, not the first score
+            assert module._target_memo is None  # nothing memoised outside score()
+    finally:
+        hook.remove()

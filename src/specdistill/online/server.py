@@ -144,7 +144,8 @@ class OnlineDistiller:
         gate = self.buffer.newest(self.cfg.gate, self.pad_id) if self.cfg.gate else None
         if gate is not None:
             gate = {k: v.to(self.module.device) for k, v in gate.items()}
-            before = self._gate_score(gate)
+            memo: dict[str, Any] = {}  # the target's pass over the gate requests, run once for both scores
+            before = self._gate_score(gate, memo)
             snapshot = [p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict())
         losses, positions = [], 0
         self.module.train()
@@ -169,7 +170,7 @@ class OnlineDistiller:
             return None
         gate_scores, deployed = (None, None), True
         if gate is not None:
-            gate_scores = before, self._gate_score(gate)
+            gate_scores = before, self._gate_score(gate, memo)
             deployed = gate_scores[1] >= before - self.cfg.gate_tolerance
             if not deployed:  # undo: the student and the optimizer as the deployed draft left them
                 with torch.no_grad():
@@ -190,7 +191,7 @@ class OnlineDistiller:
                  f"deployed as version {self.version}" if deployed else "rolled back")
         return up
 
-    def _gate_score(self, batch: dict[str, torch.Tensor]) -> float:
+    def _gate_score(self, batch: dict[str, torch.Tensor], memo: dict[str, Any]) -> float:
         """Teacher-forced acceptance on the gate batch at the serving temperature (greedy agreement at T=0)."""
-        values = self.module.score(batch)
+        values = self.module.score(batch, memo)
         return values["alpha_t0" if self.cfg.temperature == 0 else "alpha"]

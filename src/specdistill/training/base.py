@@ -56,6 +56,7 @@ class DistillModule(pl.LightningModule):
         self.val_acceptance = AcceptanceMetric(max_k)
         self.val_loss = MeanMetric()  # token-weighted and summed across ranks: exact under uneven shards
         self.val_history: list[dict[str, float]] = []  # one row per validation pass: the acceptance curve
+        self._target_memo: dict[str, Any] | None = None  # set by score(): the target's pass over its batch, kept
         self.use_draft_vocab(None)
 
     @property
@@ -123,7 +124,18 @@ class DistillModule(pl.LightningModule):
     # --- shared -----------------------------------------------------------------------------------
     @torch.no_grad()
     def teacher_logits(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-        return logits_at(self.target, batch, mask)
+        return self.target_pass_once(lambda: logits_at(self.target, batch, mask))
+
+    def target_pass_once(self, compute: Callable[[], Any]) -> Any:
+        """`compute()` (a pass of the frozen target), or what it returned the last time when `score()` was given
+        the same memo: the target does not change while the student trains, so scoring a batch before and after
+        an update needs its pass once."""
+        memo = self._target_memo
+        if memo is None:
+            return compute()
+        if "target" not in memo:
+            memo["target"] = compute()
+        return memo["target"]
 
     def _teacher(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> Teacher:
         if self.loss.name == "ce":
@@ -179,12 +191,18 @@ class DistillModule(pl.LightningModule):
                 metric.reset()
 
     @torch.no_grad()
-    def score(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def score(self, batch: dict[str, torch.Tensor], target_memo: dict[str, Any] | None = None) -> dict[str, float]:
         """The validation acceptance (alpha, alpha_t0, alpha_pos{k}, tau_sim...) of the student on one batch,
-        outside a Lightning loop (an online update's gate); the validation metrics are left empty."""
+        outside a Lightning loop (an online update's gate); the validation metrics are left empty.
+        `target_memo`: a dict kept with `batch` by the caller; the target's pass over it runs on the first
+        call and is read from the memo on later ones (pass a new dict for another batch)."""
         training = self.training
         self.eval()
-        self.validation_step(batch, 0)
+        self._target_memo = target_memo
+        try:
+            self.validation_step(batch, 0)
+        finally:
+            self._target_memo = None
         values = {k: float(v) for k, v in self.acceptance_metric.compute().items()}
         self._reset_metrics()
         self.train(training)

@@ -141,11 +141,14 @@ class EagleModule(DistillModule):
             b, t, _ = batch["features"].shape
             features = batch["features"].view(b, t, -1, self.head.cfg.hidden_size)[:, :, self.stored].flatten(2)
             return features, Teacher(topk_ids=batch["topk_ids"][mask], topk_logprobs=batch["topk_logprobs"][mask])
-        layers = list(self.head.cfg.feature_layers)
-        with HiddenTap(self.target, layers) as tap:
+        return self.target_pass_once(lambda: self._live_target_pass(batch))
+
+    @torch.no_grad()
+    def _live_target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Teacher]:
+        with HiddenTap(self.target, list(self.head.cfg.feature_layers)) as tap:
             hidden = self.target.get_decoder()(input_ids=batch["input_ids"],
                                                attention_mask=batch["attention_mask"]).last_hidden_state
-        return tap.concat(), Teacher(logits=self.target.get_output_embeddings()(hidden[mask]).float())
+        return tap.concat(), Teacher(logits=self.target.get_output_embeddings()(hidden[batch["loss_mask"]]).float())
 
     def _steps(self, batch: dict[str, torch.Tensor], steps: int, noise: float) -> Iterator[UnrolledStep]:
         mask = batch["loss_mask"]

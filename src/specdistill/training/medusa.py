@@ -64,9 +64,11 @@ class MedusaModule(DistillModule):
     @torch.no_grad()
     def _target_pass(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h [B, T, H] after the final norm, the target's logits [N, V] at the N scored positions)."""
-        hidden = self.target.get_decoder()(input_ids=batch["input_ids"],
-                                           attention_mask=batch["attention_mask"]).last_hidden_state
-        return hidden, self.target.get_output_embeddings()(hidden[mask]).float()
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = self.target.get_decoder()(input_ids=batch["input_ids"],
+                                               attention_mask=batch["attention_mask"]).last_hidden_state
+            return hidden, self.target.get_output_embeddings()(hidden[mask]).float()
+        return self.target_pass_once(run)
 
     def head_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(k, h_t [n, H], the target's logits at t + k [n, V], x_{t+k+1} [n]) for every head k."""
