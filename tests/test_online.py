@@ -313,13 +313,16 @@ def test_a_score_memo_runs_the_target_once_for_the_gates_two_scores(target):
     the target's pass runs once, and the scores are those of a fresh pass (the student changed in between)."""
     from specdistill.online.recorder import RequestRecord
     from specdistill.training.eagle import EagleModule
+    from specdistill.training.medusa import MedusaModule
 
     from .test_eagle import random_head
+    from .test_medusa import random_heads
 
     draft = student(target)
     head = random_head(target, "eagle3").train()
     modules = {"draft": module_for(target, draft),
-               "eagle": EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)}
+               "eagle": EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW),
+               "medusa": MedusaModule(target, random_heads(target, 2), loss=build_loss("fkl"), optimizer=torch.optim.AdamW)}
     buf = RejectionBuffer(max_tokens=1000)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -342,5 +345,7 @@ def test_a_score_memo_runs_the_target_once_for_the_gates_two_scores(target):
             assert after == module.score(batch) and len(calls) == 2, name  # a fresh pass scores the same
             assert after != before, name  # and the memo held the target's pass, not the first score
             assert module._target_memo is None  # nothing memoised outside score()
+            with pytest.raises(ValueError, match="another batch's target pass"):
+                module.score(buf.newest(1, 2), memo)  # a memo kept for one batch never scores another
     finally:
         hook.remove()

@@ -120,8 +120,8 @@ def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_di
     assert metrics["settings"]["lookup_branch"] is True
     t0 = greedy_texts(tmp_path / "plots/eagle_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
-    bad = [({"method": "lookup"}, "the chain alone"), ({"eagle_tree": {"shape": "chain"}}, "eagle chain drafts by sampling"),
-           ({"method": "draft"}, r"draft chain drafts by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram")]
+    bad = [({"method": "lookup"}, "the chain alone"), ({"eagle_tree": {"shape": "chain"}}, "an EAGLE chain drafts by sampling"),
+           ({"method": "draft"}, r"a draft LM chain drafts by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram")]
     for change, message in bad:
         with pytest.raises(ConfigError, match=message):
             evaluate_stage.run({**cfg, "eval": {**cfg["eval"], **change}})
@@ -136,3 +136,14 @@ def test_evaluate_stage_runs_a_separate_draft_with_a_lookup_branch(tmp_path, tin
     assert metrics["settings"]["lookup_branch"] is True and metrics["method"] == "draft"
     t0 = greedy_texts(tmp_path / "plots/draft_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
+
+
+def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic():
+    from specdistill.stages.common import ConfigError
+    from specdistill.stages.evaluate import EvalConfig
+    EvalConfig(method="draft", lookup_branch=True, temperatures=[0.0])  # a greedy chain
+    EvalConfig(method="draft", lookup_branch=True, tree=[2, 2], temperatures=[0.0, 1.0])  # a top-k tree
+    EvalConfig(method="medusa", lookup_branch=True, temperatures=[0.0, 1.0])  # Medusa's tree is top-ranked tokens
+    EvalConfig(method="eagle", lookup_branch=True, eagle_tree={"shape": "chain"}, temperatures=[0.0])
+    with pytest.raises(ConfigError, match="a draft LM chain drafts by sampling"):
+        EvalConfig(method="draft", lookup_branch=True, temperatures=[1.0])

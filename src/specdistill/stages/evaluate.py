@@ -76,12 +76,13 @@ class EvalConfig:
             raise ConfigError(f"eval.lookup_*: need 1 <= lookup_min_ngram ({self.lookup_min_ngram}) <= lookup_max_ngram "
                               f"({self.lookup_max_ngram}) and lookup_k >= 1 ({self.lookup_k})")
         if self.lookup_branch and self.method == "lookup":
-            raise ConfigError("eval.lookup_branch=true adds a lookup chain to a trained draft's: set eval.method to "
+            raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: set eval.method to "
                               "draft, medusa or eagle, or eval.lookup_branch=false (method=lookup is the chain alone)")
         sampled_chain = {"eagle": tree.shape == "chain", "draft": not self.tree}.get(self.method, False)
         if self.lookup_branch and sampled_chain and any(t > 0 for t in self.temperatures):
             fix = "eval.eagle_tree.shape=dynamic (or static)" if self.method == "eagle" else "eval.tree=[...] (a top-k tree)"
-            raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but a {self.method} chain drafts by "
+            chain = {"eagle": "an EAGLE", "draft": "a draft LM"}[self.method]
+            raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but {chain} chain drafts by "
                               f"sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
 
 

@@ -137,6 +137,12 @@ class DistillModule(pl.LightningModule):
             memo["target"] = compute()
         return memo["target"]
 
+    def _bind_memo(self, memo: dict[str, Any] | None, batch: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+        """`memo`, checked to belong to `batch`: a memo kept for one batch must not score another."""
+        if memo is not None and memo.setdefault("batch", batch["input_ids"]) is not batch["input_ids"]:
+            raise ValueError("score(): this target_memo holds another batch's target pass; pass a new dict per batch")
+        return memo
+
     def _teacher(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> Teacher:
         if self.loss.name == "ce":
             return Teacher()
@@ -164,7 +170,7 @@ class DistillModule(pl.LightningModule):
         self.val_acceptance.update(t_logits, self.to_target_vocab(s_logits), mask)
 
     def on_validation_epoch_end(self) -> None:
-        values = self.acceptance_metric.compute()  # synced across ranks (sums)
+        values = self.acceptance_values()  # synced across ranks (sums)
         logged = {"val/loss": self.val_loss.compute(), "val/alpha": values["alpha"], "val/alpha_t0": values["alpha_t0"],
                   "val/tau_sim": values[f"tau_sim{self.tau_k}"], "val/tau_sim_t0": values[f"tau_sim{self.tau_k}_t0"]}
         for key, v in values.items():
@@ -181,6 +187,11 @@ class DistillModule(pl.LightningModule):
         """The metric `validation_step` accumulates acceptance in."""
         return self.val_acceptance
 
+    def acceptance_values(self) -> dict[str, torch.Tensor]:
+        """Scalar acceptance figures of what validation_step accumulated, `alpha` and `alpha_t0` among them
+        (what `score()` returns)."""
+        return self.acceptance_metric.compute()
+
     def extra_validation_logs(self) -> dict[str, torch.Tensor]:
         """What a method logs at the end of validation beside loss and acceptance."""
         return {}
@@ -195,15 +206,17 @@ class DistillModule(pl.LightningModule):
         """The validation acceptance (alpha, alpha_t0, alpha_pos{k}, tau_sim...) of the student on one batch,
         outside a Lightning loop (an online update's gate); the validation metrics are left empty.
         `target_memo`: a dict kept with `batch` by the caller; the target's pass over it runs on the first
-        call and is read from the memo on later ones (pass a new dict for another batch)."""
+        call and is read from the memo on later ones (a new dict for another batch; one for another batch's
+        tensors is refused). It holds the target's logits at the scored positions (and a method's hidden
+        states) as long as the caller keeps it: memory for time, sized by the batch."""
         training = self.training
         self.eval()
-        self._target_memo = target_memo
+        self._target_memo = self._bind_memo(target_memo, batch)
         try:
             self.validation_step(batch, 0)
         finally:
             self._target_memo = None
-        values = {k: float(v) for k, v in self.acceptance_metric.compute().items()}
+        values = {k: float(v) for k, v in self.acceptance_values().items()}
         self._reset_metrics()
         self.train(training)
         return values

@@ -97,6 +97,12 @@ class MedusaModule(DistillModule):
                 self.val_loss.update(loss.detach(), weight=n)
             self.val_heads.update(k, t_logits, self.to_target_vocab(s_logits))
 
+    def acceptance_values(self) -> dict[str, torch.Tensor]:
+        """Head 1's acceptance as `alpha` / `alpha_t0` (the draft's next token, as the other methods' first
+        position), beside every head's figures; the rank matrix `acc` stays with the epoch end."""
+        values = {k: v for k, v in self.val_heads.compute().items() if k != "acc"}
+        return {"alpha": values["head1_alpha"], "alpha_t0": values["head1_top1"], **values}
+
     def on_validation_epoch_end(self) -> None:
         values = self.val_heads.compute()  # synced across ranks (sums)
         self.val_heads.reset()
