@@ -182,15 +182,10 @@ class DistillModule(pl.LightningModule):
         if not self.trainer.sanity_checking:
             self.val_history.append({"step": self.global_step, **{k: float(v) for k, v in logged.items()}})
 
-    @property
-    def acceptance_metric(self) -> Any:
-        """The metric `validation_step` accumulates acceptance in."""
-        return self.val_acceptance
-
     def acceptance_values(self) -> dict[str, torch.Tensor]:
         """Scalar acceptance figures of what validation_step accumulated, `alpha` and `alpha_t0` among them
-        (what `score()` returns)."""
-        return self.acceptance_metric.compute()
+        (what `score()` returns); a method with its own acceptance metric overrides this."""
+        return self.val_acceptance.compute()
 
     def extra_validation_logs(self) -> dict[str, torch.Tensor]:
         """What a method logs at the end of validation beside loss and acceptance."""

@@ -128,9 +128,8 @@ class EagleModule(DistillModule):
         self.val_unrolled = UnrolledAcceptance(self.val_steps)
         self.val_coverage = MeanMetric()
 
-    @property
-    def acceptance_metric(self) -> Any:
-        return self.val_unrolled
+    def acceptance_values(self) -> dict[str, torch.Tensor]:
+        return self.val_unrolled.compute()
 
     @torch.no_grad()
     def _target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Teacher]:
@@ -143,7 +142,6 @@ class EagleModule(DistillModule):
             return features, Teacher(topk_ids=batch["topk_ids"][mask], topk_logprobs=batch["topk_logprobs"][mask])
         return self.target_pass_once(lambda: self._live_target_pass(batch))
 
-    @torch.no_grad()
     def _live_target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Teacher]:
         with HiddenTap(self.target, list(self.head.cfg.feature_layers)) as tap:
             hidden = self.target.get_decoder()(input_ids=batch["input_ids"],
