@@ -1,14 +1,16 @@
 """A prompt-lookup branch beside a trained draft: EAGLE, Medusa and lookup alone and their unions, in one process.
 
-    python benchmarks/lookup_branch.py [--eagle models/eagle] [--medusa models/medusa] [--prompts 4] [--variants ...] [--out FILE]
+    python benchmarks/lookup_branch.py [--eagle models/eagle] [--medusa models/medusa] [--prompts 4] [--split dev]
+                                       [--variants ...] [--out FILE]
 
 Runs the evaluate stage's benchmark (MT-bench both turns and HumanEval, the order of methods rotating from
 prompt to prompt) at T=0 with AR and every variant, so each speed-up divides by the AR of the same run,
 and prints tau, speed-up (jackknife-t 95% interval) and the draft / verify seconds per variant and set.
-A variant is `eagle`, `medusa`, `lookup`, `u:<nodes>:<lookup_k>:<min_ngram>`: the union of a dynamic EAGLE tree
-of <nodes> nodes (depth / top_k: 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) and a lookup chain, or
+A variant is `eagle`, `medusa`, `lookup`, `u:<nodes>:<lookup_k>:<min_ngram>[:<depth>:<top_k>]`: the union of a
+dynamic EAGLE tree of <nodes> nodes (depth / top_k by default 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) and a lookup chain, or
 `m:<lookup_k>:<min_ngram>`: Medusa's saved tree of eval.medusa_budget nodes and a lookup chain (is the branch
-EAGLE's edge, or does every deterministic tree gain as much?). Needs `dvc repro prepare train@eagle` (and
+EAGLE's edge, or does every deterministic tree gain as much?). It runs on the dev prompts by default (`eval.split`):
+choose settings there, then report them on the test prompts with the evaluate stage. Needs `dvc repro prepare train@eagle` (and
 `train@medusa` for the Medusa variants) first. The README's lookup-branch choices come from it.
 """
 
@@ -30,12 +32,14 @@ from specdistill.evaluation.runner import our_method, run_benchmark
 from specdistill.models.eagle import load_eagle
 from specdistill.models.medusa import load_medusa
 from specdistill.models.target import load_target
-from specdistill.stages.evaluate import EvalConfig, chat_encoder, load_conversations, medusa_choices
+from specdistill.stages.evaluate import SPLITS, EvalConfig, chat_encoder, load_conversations, medusa_choices
 
 DEFAULT = ["eagle", "lookup", "u:8:4:1", "u:8:8:1", "u:8:8:2", "u:8:12:1", "u:6:8:1", "u:12:8:1"]
 
 
-def tree(nodes: int) -> EagleTreeConfig:
+def tree(nodes: int, depth: int | None = None, top_k: int | None = None) -> EagleTreeConfig:
+    if depth is not None:
+        return EagleTreeConfig(shape="dynamic", depth=depth, top_k=top_k, total_tokens=nodes)
     if nodes <= 6:
         return EagleTreeConfig(shape="dynamic", depth=3, top_k=2, total_tokens=nodes)
     if nodes <= 8:
@@ -52,8 +56,8 @@ def parse(name: str) -> tuple[str, tuple[int, ...]]:
         numbers = tuple(map(int, rest))
     except ValueError:
         numbers = ()
-    if (kind, len(numbers)) not in (("u", 3), ("m", 2)) or min(numbers) < 1:
-        raise SystemExit(f"variant {name!r}: use eagle, medusa, lookup, u:<nodes>:<lookup_k>:<min_ngram> or "
+    if (kind, len(numbers)) not in (("u", 3), ("u", 5), ("m", 2)) or min(numbers) < 1:
+        raise SystemExit(f"variant {name!r}: use eagle, medusa, lookup, u:<nodes>:<lookup_k>:<min_ngram>[:<depth>:<top_k>] or "
                          "m:<lookup_k>:<min_ngram> (positive integers)")
     return kind, numbers
 
@@ -63,6 +67,8 @@ def main() -> None:
     ap.add_argument("--eagle", default=str(ROOT / "models/eagle"))
     ap.add_argument("--medusa", default=str(ROOT / "models/medusa"), help="read only for the medusa and m: variants")
     ap.add_argument("--prompts", type=int, default=None, help="per set (default: params.yaml's eval.num_prompts)")
+    ap.add_argument("--split", choices=SPLITS, default="dev",
+                    help="prompts to run: dev (default; tune here) or test (the evaluate stage's, to report)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT)
     ap.add_argument("--out", default=None, help="also write the summary as JSON here")
     args = ap.parse_args()
@@ -92,13 +98,13 @@ def main() -> None:
         if kind == "lookup":
             return lookup(ev["lookup_k"], ev["lookup_min_ngram"])
         if kind == "u":
-            nodes, k, lo = numbers
-            return UnionProposer(EagleProposer(head, tree(nodes)), lookup(k, lo))
+            nodes, k, lo, *shape = numbers
+            return UnionProposer(EagleProposer(head, tree(nodes, *shape)), lookup(k, lo))
         k, lo = numbers
         return UnionProposer(MedusaProposer(heads, choices), lookup(k, lo))
 
     n = args.prompts or ev["num_prompts"]
-    data = {d: load_conversations(ROOT / "data/prompts", d, n) for d in ("mtbench", "humaneval")}
+    data = {d: load_conversations(ROOT / "data/prompts", d, n, args.split) for d in ("mtbench", "humaneval")}
     stops = stop_ids(model, tok)
     max_pos = 16  # acceptance by position is tallied up to here (unprinted)
     methods = [our_method(v, model, None if v == "ar" else variant(v), ev["max_new_tokens"], stops, ev["capacity"], max_pos)

@@ -130,6 +130,27 @@ def test_evaluate_stage_writes_where_paths_say(tmp_path, tiny_target_dir, monkey
     assert not (tmp_path / "metrics").exists() and not (tmp_path / "plots").exists()
 
 
+def test_prompts_take_categories_in_turn_and_dev_never_meets_test(tmp_path):
+    """MT-bench is stored ten questions a category: the first prompts must not all be writing, and the dev
+    prompts (where settings are tuned) must be disjoint from the test prompts (where they are reported)."""
+    from specdistill.stages.common import ConfigError
+
+    cats = ["writing"] * 3 + ["math"] * 3 + ["code"] * 2
+    assert evaluate_stage.stratified_order(cats) == [0, 3, 6, 1, 4, 7, 2, 5]
+    rows = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}], "source": "mtbench", "category": c,
+             "reference": "", "turns": [f"q{i}"], "prompt": "", "prompt_tokens": 1} for i, c in enumerate(cats)]
+    save_split(rows, tmp_path / "mtbench")
+    ids = lambda split, n: [c.id for c in evaluate_stage.load_conversations(tmp_path, "mtbench", n, split)]  # noqa: E731
+    assert ids("test", 3) == ["0", "3", "6"]  # one of each category
+    assert ids("dev", 4) == ["4", "7", "2", "5"]  # the last four of that order
+    for n in (1, 2, 3, 4):
+        assert not set(ids("test", n)) & set(ids("dev", n))
+    with pytest.raises(ConfigError, match="num_prompts <= 4"):
+        ids("dev", 5)
+    with pytest.raises(ConfigError, match="eval.split"):
+        evaluate_stage.EvalConfig(split="train")
+
+
 def test_unknown_method_fails_at_start():
     from specdistill.stages.common import ConfigError
 

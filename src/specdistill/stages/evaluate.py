@@ -32,6 +32,7 @@ from specdistill.tracking import wandb_run
 log = logging.getLogger(__name__)
 
 METHODS = ("draft", "medusa", "eagle", "lookup")
+SPLITS = ("test", "dev")
 
 
 @dataclass
@@ -40,6 +41,9 @@ class EvalConfig:
     name: str | None = None  # outputs' name: metrics/<name>.json, plots/<name>/; default the method
     datasets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval"])
     num_prompts: int = 5  # per dataset; MT-bench prompts run both turns
+    # test: num_prompts of each set, its categories in turn (every reported figure) | dev: num_prompts others,
+    # disjoint from them, on which to tune decoding settings (trees, lookup) so the reported prompts stay unseen
+    split: str = "test"
     max_new_tokens: int = 96
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     top_p: float = 1.0
@@ -68,6 +72,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"eval.method={self.method!r}: use one of {METHODS}")
+        if self.split not in SPLITS:
+            raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
         try:
             tree = EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
         except (TypeError, ValueError) as e:
@@ -112,9 +118,32 @@ def medusa_choices(ecfg: EvalConfig) -> list[tuple[int, ...]]:
                       "give eval.medusa_choices")
 
 
-def load_conversations(prompts_dir: Path, name: str, n: int) -> list[Conversation]:
+def stratified_order(categories: list[str]) -> list[int]:
+    """Row indices taking each category in turn (categories by first appearance, rows in set order): MT-bench
+    is stored by category, ten questions each, so its first rows would all be writing prompts."""
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        by_cat.setdefault(c, []).append(i)
+    queues = list(by_cat.values())
+    return [q[r] for r in range(max(map(len, queues), default=0)) for q in queues if r < len(q)]
+
+
+def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test") -> list[Conversation]:
+    """n conversations of set `name`, its categories in turn (`stratified_order`): the first n of that order
+    (test), or the last n (dev), which must not reach the test rows: settings tuned on the prompts they are
+    then reported on would overstate the result."""
     ds = load_prompts(prompts_dir, name)
-    return [Conversation(r["id"], list(r["turns"])) for r in ds.select(range(min(n, len(ds))))]
+    order = stratified_order(list(ds["category"]))
+    if split == "test":
+        rows = order[:n]
+    elif split == "dev":
+        if 2 * n > len(ds):
+            raise ConfigError(f"eval.split=dev takes the last num_prompts={n} prompts of {name}, which has {len(ds)}: "
+                              f"they would overlap the test prompts; use num_prompts <= {len(ds) // 2} for dev runs")
+        rows = order[len(order) - n:]
+    else:
+        raise ConfigError(f"split={split!r}: use one of {SPLITS}")
+    return [Conversation(r["id"], list(r["turns"])) for r in ds.select(rows)]
 
 
 def chat_encoder(tok: Any) -> Callable[[list[dict[str, str]]], list[int]]:
@@ -131,7 +160,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     target = load_target(tcfg)
     tok, model = target.tokenizer, target.model
     stops = stop_ids(model, tok)
-    data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts) for name in ecfg.datasets}
+    data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
+            for name in ecfg.datasets}
     encode = chat_encoder(tok)
     heads = choices = eagle = None
     if ecfg.method == "eagle":
