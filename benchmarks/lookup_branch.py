@@ -70,10 +70,12 @@ def main() -> None:
     ap.add_argument("--split", choices=SPLITS, default="dev",
                     help="prompts to run: dev (default; tune here) or test (the evaluate stage's, to report)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT)
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"),
+                    help="the composed config whose eval settings to use (e.g. one `make params EXPERIMENT=cpu_full` wrote)")
     ap.add_argument("--out", default=None, help="also write the summary as JSON here")
     args = ap.parse_args()
     kinds = {v: parse(v) for v in args.variants}
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = yaml.safe_load(Path(args.params).read_text())
     ev = params["eval"]
     target = load_target(target_config(params["target"]["dtype"]))
     tok, model = target.tokenizer, target.model
