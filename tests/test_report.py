@@ -43,6 +43,16 @@ def test_report_writes_tables_figures_and_the_formula_check(tmp_path, monkeypatc
     assert "| 2.440 |" in text and "| 3.362 |" in text and "| 5.000 |" in text
     for png in ("acceptance_by_position.png", "speedup.png", "tau_vs_k.png"):
         assert (tmp_path / "reports" / png).read_bytes()[:4] == b"\x89PNG"
+    assert "Not comparable" not in text
+
+
+def test_report_flags_a_run_on_the_dev_prompts(tmp_path, monkeypatch):
+    (tmp_path / "metrics").mkdir()
+    tuned = metrics("eagle", [0.8, 0.5], 2.1)
+    tuned["settings"]["split"] = "dev"
+    (tmp_path / "metrics/eagle_dev.json").write_text(json.dumps(tuned))
+    (tmp_path / "metrics/lookup.json").write_text(json.dumps(metrics("lookup", [0.5, 0.5], 1.4)))
+    assert "Not comparable: eagle_dev ran on the dev prompts" in render(tmp_path, monkeypatch)
 
 
 def test_report_without_metrics_is_a_clear_error(tmp_path, monkeypatch):

@@ -62,13 +62,17 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "Written by the `report` stage from `metrics/*.json`; every number comes from `dvc repro`.",
              f"Target {s.get('target_fingerprint', '?')[:23]}…, {s.get('dtype')}, torch {s.get('torch')}, "
              f"transformers {s.get('transformers')}, {s.get('threads')} threads on {s.get('device')}; "
-             f"{s.get('prompts')} prompts per dataset, max_new_tokens {s.get('max_new_tokens')}, K = {s.get('k')}, "
-             f"{s.get('chain_or_tree')}.", "",
+             f"{s.get('prompts')} prompts per dataset (each set's categories in turn), max_new_tokens "
+             f"{s.get('max_new_tokens')}, K = {s.get('k')}, {s.get('chain_or_tree')}.", "",
              "Speed-up is tokens/s over our AR loop on the same prompts in the same process (methods interleaved);",
              "at temperature 0 every method emits the target's greedy chain, but in bfloat16 a verification forward over",
              "several positions rounds differently from a one-token step, so where the top two logits tie to within",
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
              "float32 none happens); tokens/s, not wall time, is therefore the ratio.", ""]
+    dev = sorted(n for n, m in all_metrics.items() if m["settings"].get("split", "test") != "test")
+    if dev:  # tuned-on prompts beside reported ones would not compare
+        lines += [f"**Not comparable: {', '.join(dev)} ran on the dev prompts (`eval.split=dev`), the others on the "
+                  "test prompts.**", ""]
     datasets = sorted({d for m in all_metrics.values() for d in m["results"]})
     temps = sorted({t for m in all_metrics.values() for d in m["results"].values() for t in d})
     for dataset in datasets:
