@@ -98,7 +98,7 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     medusa["trees"] = {"acc": acc, "trees": {"4": {"choices": [[0], [1], [0, 0], [0, 0, 0]], "expected_tau": 2.07}}}
     (tmp_path / "metrics/train_medusa.json").write_text(json.dumps(medusa))
     eagle = train_metrics("fkl", "target", 0.7)
-    eagle["settings"]["method"] = {"name": "eagle", "variant": "eagle3", "ttt_steps": 3}
+    eagle["settings"]["method"] = {"name": "eagle", "variant": "eagle3", "ttt_steps": 3, "init_from": "models/eagle_a"}
     eagle["final"].update({f"val/alpha_pos{k}{t}": 0.5 for k in range(1, 5) for t in ("", "_t0")})
     eagle["final"]["val/vocab_coverage"] = 0.883
     (tmp_path / "metrics/train_eagle.json").write_text(json.dumps(eagle))
@@ -112,7 +112,8 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     # exercise 3 from the measured accuracies: the cartesian 3x3x3 tree (39 tokens) against the 4-node tree
     assert "27 candidate sequences and 39 tree tokens" in text and "the chosen tree spends 4 tokens" in text
     assert "| Medusa heads | 20.0M | 38 MiB |" in text and "| separate draft `draft` | 35.4M |" in text
-    assert "| eagle | EAGLE head (eagle3, 1 layer, TTT 3) |" in text and "| 0.883 |" in text
+    assert "| eagle | EAGLE head (eagle3, 1 layer, TTT 3) | continued from `models/eagle_a` |" in text and "| 0.883 |" in text
+    assert "| medusa | Medusa, 4 heads x 1 block | target's LM head |" in text  # no init_from: how it started
 
 
 def test_report_has_the_online_table_and_curve(tmp_path, monkeypatch):
