@@ -59,7 +59,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     lines = [f"# Results: experiment `{experiment}`", "",
-             "Written by the `report` stage from `metrics/*.json`; every number comes from `dvc repro`.",
+             "Written by the `report` stage from the metrics files the train and evaluate stages wrote (`dvc repro`); "
+             "no number in it is typed by hand.",
              f"Target {s.get('target_fingerprint', '?')[:23]}…, {s.get('dtype')}, torch {s.get('torch')}, "
              f"transformers {s.get('transformers')}, {s.get('threads')} threads on {s.get('device')}; "
              f"{s.get('prompts')} prompts per dataset (each set's categories in turn), max_new_tokens "
