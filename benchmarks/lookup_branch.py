@@ -71,12 +71,18 @@ def main() -> None:
                     help="prompts to run: dev (default; tune here) or test (the evaluate stage's, to report)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT)
     ap.add_argument("--params", default=str(ROOT / "params.yaml"),
-                    help="the composed config whose eval settings to use (e.g. one `make params EXPERIMENT=cpu_full` wrote)")
+                    help="the composed config whose eval settings to use (e.g. one `make params EXPERIMENT=cpu_full` wrote); "
+                         "the target and the prompts are still this checkout's")
     ap.add_argument("--out", default=None, help="also write the summary as JSON here")
     args = ap.parse_args()
     kinds = {v: parse(v) for v in args.variants}
     params = yaml.safe_load(Path(args.params).read_text())
     ev = params["eval"]
+    # the prompts before the target, so an overlapping dev set fails at once; dev must stay clear of the
+    # eval.num_prompts test prompts the evaluate stage reports, whatever --prompts is
+    n = args.prompts or ev["num_prompts"]
+    data = {d: load_conversations(ROOT / "data/prompts", d, n, args.split, test_n=ev["num_prompts"])
+            for d in ("mtbench", "humaneval")}
     target = load_target(target_config(params["target"]["dtype"]))
     tok, model = target.tokenizer, target.model
     # each draft loads only when a variant asks for it, so an EAGLE-only run needs no Medusa heads
@@ -105,8 +111,6 @@ def main() -> None:
         k, lo = numbers
         return UnionProposer(MedusaProposer(heads, choices), lookup(k, lo))
 
-    n = args.prompts or ev["num_prompts"]
-    data = {d: load_conversations(ROOT / "data/prompts", d, n, args.split) for d in ("mtbench", "humaneval")}
     stops = stop_ids(model, tok)
     max_pos = 16  # acceptance by position is tallied up to here (unprinted)
     methods = [our_method(v, model, None if v == "ar" else variant(v), ev["max_new_tokens"], stops, ev["capacity"], max_pos)

@@ -131,22 +131,35 @@ def test_evaluate_stage_writes_where_paths_say(tmp_path, tiny_target_dir, monkey
 
 
 def test_prompts_take_categories_in_turn_and_dev_never_meets_test(tmp_path):
-    """MT-bench is stored ten questions a category: the first prompts must not all be writing, and the dev
-    prompts (where settings are tuned) must be disjoint from the test prompts (where they are reported)."""
+    """MT-bench is stored ten questions a category: the first prompts must not all be writing; the dev prompts
+    (where settings are tuned) must have the test prompts' mix of categories (a union's speed-up runs from 1.5x
+    to 3.9x by category) and never meet the test prompts that are reported."""
+    from collections import Counter
+
     from specdistill.stages.common import ConfigError
 
-    cats = ["writing"] * 3 + ["math"] * 3 + ["code"] * 2
-    assert evaluate_stage.stratified_order(cats) == [0, 3, 6, 1, 4, 7, 2, 5]
+    cats = ["writing"] * 4 + ["math"] * 4 + ["code"] * 3
+    assert evaluate_stage.stratified_order(cats) == [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7]
+    assert evaluate_stage.stratified_order(cats, from_end=True) == [3, 7, 10, 2, 6, 9, 1, 5, 8, 0, 4]
     rows = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}], "source": "mtbench", "category": c,
              "reference": "", "turns": [f"q{i}"], "prompt": "", "prompt_tokens": 1} for i, c in enumerate(cats)]
     save_split(rows, tmp_path / "mtbench")
-    ids = lambda split, n: [c.id for c in evaluate_stage.load_conversations(tmp_path, "mtbench", n, split)]  # noqa: E731
-    assert ids("test", 3) == ["0", "3", "6"]  # one of each category
-    assert ids("dev", 4) == ["4", "7", "2", "5"]  # the last four of that order
-    for n in (1, 2, 3, 4):
-        assert not set(ids("test", n)) & set(ids("dev", n))
-    with pytest.raises(ConfigError, match="num_prompts <= 4"):
-        ids("dev", 5)
+
+    def ids(split: str, n: int, test_n: int | None = None) -> list[str]:
+        return [c.id for c in evaluate_stage.load_conversations(tmp_path, "mtbench", n, split, test_n)]
+
+    assert ids("test", 3) == ["0", "4", "8"]  # one of each category
+    assert ids("dev", 3) == ["3", "7", "10"]  # each category's last
+    for n in range(1, 6):
+        test, dev = ids("test", n), ids("dev", n)
+        assert not set(test) & set(dev)
+        assert Counter(cats[int(i)] for i in test) == Counter(cats[int(i)] for i in dev)
+    with pytest.raises(ConfigError, match="would overlap its 6 test prompts"):
+        ids("dev", 6)  # code has 3 rows: its test and dev prompts would share one
+    # a benchmark's dev count differs from the reported num_prompts: dev must clear the reported ones
+    assert ids("dev", 2, test_n=6) == ["3", "7"]
+    with pytest.raises(ConfigError, match="would overlap its 8 test prompts"):
+        ids("dev", 4, test_n=8)  # the 8 test prompts hold row 2, the fourth dev one
     with pytest.raises(ConfigError, match="eval.split"):
         evaluate_stage.EvalConfig(split="train")
 

@@ -52,7 +52,13 @@ def test_report_flags_a_run_on_the_dev_prompts(tmp_path, monkeypatch):
     tuned["settings"]["split"] = "dev"
     (tmp_path / "metrics/eagle_dev.json").write_text(json.dumps(tuned))
     (tmp_path / "metrics/lookup.json").write_text(json.dumps(metrics("lookup", [0.5, 0.5], 1.4)))
-    assert "Not comparable: eagle_dev ran on the dev prompts" in render(tmp_path, monkeypatch)
+    text = render(tmp_path, monkeypatch)
+    assert "Not comparable: eagle_dev ran on the dev prompts" in text
+    assert "some runs predate the stratified order" in text  # lookup.json has no split: written before it
+    (tmp_path / "metrics/lookup.json").unlink()
+    text = render(tmp_path, monkeypatch)
+    assert "Every run here used the dev prompts" in text and "Not comparable" not in text
+    assert "(each set's categories in turn)" in text
 
 
 def test_report_without_metrics_is_a_clear_error(tmp_path, monkeypatch):

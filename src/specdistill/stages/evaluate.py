@@ -41,8 +41,8 @@ class EvalConfig:
     name: str | None = None  # outputs' name: metrics/<name>.json, plots/<name>/; default the method
     datasets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval"])
     num_prompts: int = 5  # per dataset; MT-bench prompts run both turns
-    # test: num_prompts of each set, its categories in turn (every reported figure) | dev: num_prompts others,
-    # disjoint from them, on which to tune decoding settings (trees, lookup) so the reported prompts stay unseen
+    # test: num_prompts of each set, its categories in turn (every reported figure) | dev: num_prompts others with
+    # the same mix of categories, disjoint from them, to tune decoding settings on (the reported prompts stay unseen)
     split: str = "test"
     max_new_tokens: int = 96
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -118,29 +118,33 @@ def medusa_choices(ecfg: EvalConfig) -> list[tuple[int, ...]]:
                       "give eval.medusa_choices")
 
 
-def stratified_order(categories: list[str]) -> list[int]:
-    """Row indices taking each category in turn (categories by first appearance, rows in set order): MT-bench
-    is stored by category, ten questions each, so its first rows would all be writing prompts."""
+def stratified_order(categories: list[str], from_end: bool = False) -> list[int]:
+    """Row indices taking each category in turn (categories by first appearance, rows in set order, or from
+    each category's last row with `from_end`): MT-bench is stored by category, ten questions each, so its
+    first rows would all be writing prompts."""
     by_cat: dict[str, list[int]] = {}
     for i, c in enumerate(categories):
         by_cat.setdefault(c, []).append(i)
-    queues = list(by_cat.values())
+    queues = [q[::-1] if from_end else q for q in by_cat.values()]
     return [q[r] for r in range(max(map(len, queues), default=0)) for q in queues if r < len(q)]
 
 
-def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test") -> list[Conversation]:
-    """n conversations of set `name`, its categories in turn (`stratified_order`): the first n of that order
-    (test), or the last n (dev), which must not reach the test rows: settings tuned on the prompts they are
-    then reported on would overstate the result."""
+def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test",
+                       test_n: int | None = None) -> list[Conversation]:
+    """n conversations of set `name`, its categories in turn: the first n rows of each category (test), or
+    the last n (dev: the same mix of categories, other prompts). Dev must not reach the `test_n` (default n)
+    test prompts that are reported: settings tuned on them would overstate the result."""
     ds = load_prompts(prompts_dir, name)
-    order = stratified_order(list(ds["category"]))
+    categories = list(ds["category"])
     if split == "test":
-        rows = order[:n]
+        rows = stratified_order(categories)[:n]
     elif split == "dev":
-        if 2 * n > len(ds):
-            raise ConfigError(f"eval.split=dev takes the last num_prompts={n} prompts of {name}, which has {len(ds)}: "
-                              f"they would overlap the test prompts; use num_prompts <= {len(ds) // 2} for dev runs")
-        rows = order[len(order) - n:]
+        rows = stratified_order(categories, from_end=True)[:n]
+        reported = stratified_order(categories)[:n if test_n is None else test_n]
+        if set(rows) & set(reported):
+            raise ConfigError(f"dev split: {n} dev prompts of {name} ({len(ds)} rows) would overlap its "
+                              f"{len(reported)} test prompts; lower the dev count (eval.num_prompts, or the "
+                              "benchmark's --prompts) so that dev + test fit in the set")
     else:
         raise ConfigError(f"split={split!r}: use one of {SPLITS}")
     return [Conversation(r["id"], list(r["turns"])) for r in ds.select(rows)]
@@ -157,11 +161,12 @@ def chat_encoder(tok: Any) -> Callable[[list[dict[str, str]]], list[int]]:
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ecfg = section(EvalConfig, dict(cfg["eval"]), "eval")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    # the prompts first: a missing split or an overlapping dev set fails before the target loads
+    data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
+            for name in ecfg.datasets}
     target = load_target(tcfg)
     tok, model = target.tokenizer, target.model
     stops = stop_ids(model, tok)
-    data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
-            for name in ecfg.datasets}
     encode = chat_encoder(tok)
     heads = choices = eagle = None
     if ecfg.method == "eagle":

@@ -58,12 +58,15 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
            online: list[str] | None = None) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
+    # metrics without a split were written before the stratified order: each set's first rows
+    order = ("each set's categories in turn" if all("split" in m["settings"] for m in all_metrics.values()) else
+             "some runs predate the stratified order and took each set's first prompts, MT-bench's all writing")
     lines = [f"# Results: experiment `{experiment}`", "",
              "Written by the `report` stage from the metrics files the train and evaluate stages wrote (`dvc repro`); "
              "no number in it is typed by hand.",
              f"Target {s.get('target_fingerprint', '?')[:23]}…, {s.get('dtype')}, torch {s.get('torch')}, "
              f"transformers {s.get('transformers')}, {s.get('threads')} threads on {s.get('device')}; "
-             f"{s.get('prompts')} prompts per dataset (each set's categories in turn), max_new_tokens "
+             f"{s.get('prompts')} prompts per dataset ({order}), max_new_tokens "
              f"{s.get('max_new_tokens')}, K = {s.get('k')}, {s.get('chain_or_tree')}.", "",
              "Speed-up is tokens/s over our AR loop on the same prompts in the same process (methods interleaved);",
              "at temperature 0 every method emits the target's greedy chain, but in bfloat16 a verification forward over",
@@ -71,9 +74,12 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
              "float32 none happens); tokens/s, not wall time, is therefore the ratio.", ""]
     dev = sorted(n for n, m in all_metrics.items() if m["settings"].get("split", "test") != "test")
-    if dev:  # tuned-on prompts beside reported ones would not compare
+    if dev and len(dev) < len(all_metrics):  # tuned-on prompts beside reported ones would not compare
         lines += [f"**Not comparable: {', '.join(dev)} ran on the dev prompts (`eval.split=dev`), the others on the "
                   "test prompts.**", ""]
+    elif dev:
+        lines += ["**Every run here used the dev prompts (`eval.split=dev`): figures to tune settings on, not to "
+                  "report.**", ""]
     datasets = sorted({d for m in all_metrics.values() for d in m["results"]})
     temps = sorted({t for m in all_metrics.values() for d in m["results"].values() for t in d})
     for dataset in datasets:
