@@ -334,3 +334,7 @@ def test_evaluate_stage_runs_eagle(tmp_path, tiny_target_dir, monkeypatch):
     cfg["eval"]["eagle_tree"] = {"shape": "bush"}
     with pytest.raises(ConfigError, match="eagle_tree"):
         evaluate_stage.run(cfg)
+    # depth 2, top_k 2 grows 2 + 4 nodes: asking to keep 16 would verify 6 under a 16-node label
+    cfg["eval"]["eagle_tree"] = {"shape": "dynamic", "depth": 2, "top_k": 2, "total_tokens": 16}
+    with pytest.raises(ConfigError, match="grows at most 6 nodes, not total_tokens=16"):
+        evaluate_stage.run(cfg)

@@ -48,6 +48,10 @@ class EagleTreeConfig:
             raise ValueError(f"a static EAGLE tree needs branching (children per depth), got {self.branching}")
         if min(self.k, self.depth, self.top_k, self.total_tokens) < 1:
             raise ValueError("eagle k, depth, top_k and total_tokens must be >= 1")
+        most = self.top_k + (self.depth - 1) * self.top_k ** 2  # level 1, then top_k children of top_k nodes
+        if self.shape == "dynamic" and self.total_tokens > most:
+            raise ValueError(f"a dynamic EAGLE tree of depth {self.depth} and top_k {self.top_k} grows at most {most} "
+                             f"nodes, not total_tokens={self.total_tokens}: lower total_tokens or raise depth / top_k")
 
 
 class EagleProposer:
