@@ -130,6 +130,29 @@ def test_evaluate_stage_writes_where_paths_say(tmp_path, tiny_target_dir, monkey
     assert not (tmp_path / "metrics").exists() and not (tmp_path / "plots").exists()
 
 
+def test_evaluate_stage_on_the_dev_prompts(tmp_path, tiny_target_dir, monkeypatch):
+    """eval.split=dev runs other prompts than the test ones and records it; a dev set that would meet the
+    test prompts fails before the target loads, with nothing written."""
+    from specdistill.stages.common import ConfigError
+
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
+             "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1} for i, t in enumerate(["Hi", "Bye"])]
+    save_split(rows, tmp_path / "prompts/mtbench")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
+           "target": {"name_or_path": str(tiny_target_dir / "missing"), "dtype": "float32"},
+           "eval": {"method": "lookup", "datasets": ["mtbench"], "num_prompts": 2, "max_new_tokens": 4,
+                    "temperatures": [0.0], "hf_baselines": False, "split": "dev"}}
+    with pytest.raises(ConfigError, match="would overlap its 2 test prompts"):
+        evaluate_stage.run(cfg)  # the target path does not exist: the prompts were checked first
+    assert not (tmp_path / "metrics").exists()
+    cfg["eval"]["num_prompts"], cfg["target"]["name_or_path"] = 1, str(tiny_target_dir)
+    metrics = evaluate_stage.run(cfg)
+    assert metrics["settings"]["split"] == "dev"
+    ids = {json.loads(line)["id"] for line in (tmp_path / "plots/lookup/samples.jsonl").read_text().splitlines()}
+    assert ids == {"q1"}  # the test prompt is q0
+
+
 def test_prompts_take_categories_in_turn_and_dev_never_meets_test(tmp_path):
     """MT-bench is stored ten questions a category: the first prompts must not all be writing; the dev prompts
     (where settings are tuned) must have the test prompts' mix of categories (a union's speed-up runs from 1.5x
