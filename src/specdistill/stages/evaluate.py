@@ -136,11 +136,12 @@ def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test"
     test prompts that are reported: settings tuned on them would overstate the result."""
     ds = load_prompts(prompts_dir, name)
     categories = list(ds["category"])
+    order = stratified_order(categories)
     if split == "test":
-        rows = stratified_order(categories)[:n]
+        rows = order[:n]
     elif split == "dev":
         rows = stratified_order(categories, from_end=True)[:n]
-        reported = stratified_order(categories)[:n if test_n is None else test_n]
+        reported = order[:n if test_n is None else test_n]
         if set(rows) & set(reported):
             raise ConfigError(f"dev split: {n} dev prompts of {name} ({len(ds)} rows) would overlap its "
                               f"{len(reported)} test prompts; lower the dev count (eval.num_prompts, or the "
