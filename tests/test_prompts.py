@@ -166,3 +166,40 @@ def test_a_missing_prompt_split_names_the_stage_to_run(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=r"val is missing: run the prepare stage first \(`dvc repro prepare`\)"):
         load_prompts(tmp_path, "val")
+
+
+def coding_records(n: int):
+    return [conv(f"k{i}", ("human", f"Write a function number {i}."),
+                 ("gpt", f"Here it is:\n```python\ndef f{i}(x):\n    return x + {i}\n```")) for i in range(n)]
+
+
+def test_code_fraction_sets_the_train_mix_and_leaves_val_alone(tiny_tokenizer):
+    from specdistill.data.prompts import looks_like_code, mix_summary
+
+    recs = sharegpt_records(60) + coding_records(60)  # 120 chat contexts, 60 code ones
+    natural, val0, _ = build_train_val(pairs(recs), prep_cfg(num_train=40), tiny_tokenizer, "s")
+    for frac in (0.0, 0.25, 0.75, 1.0):
+        train, val, _ = build_train_val(pairs(recs), prep_cfg(num_train=40, code_fraction=frac), tiny_tokenizer, "s")
+        assert len(train) == 40 and len({r["id"] for r in train}) == 40
+        assert mix_summary(train)["code"] == round(40 * frac)
+        assert [r["id"] for r in val] == [r["id"] for r in val0]  # val: the source's mix, untouched
+        assert sum(r["id"].startswith("k") for r in train) == round(40 * frac)  # the markers found the code ones
+    assert 0 < mix_summary(natural)["code"] < 40  # null keeps the source's mix, code and chat alike
+    assert looks_like_code("    import numpy as np") and looks_like_code("SELECT a FROM t")
+    assert not looks_like_code("Define a class of problems, and import goods from France.")
+
+
+def test_a_code_fraction_the_source_cannot_give_names_the_fix(tiny_tokenizer):
+    recs = sharegpt_records(60) + coding_records(5)
+    with pytest.raises(PromptError, match="Lower data.num_train, or move data.code_fraction"):
+        build_train_val(pairs(recs), prep_cfg(num_train=40, code_fraction=0.5), tiny_tokenizer, "s")
+    with pytest.raises(PromptError, match=r"code_fraction=1.5: give a share in \[0, 1\]"):
+        prep_cfg(code_fraction=1.5)
+
+
+def test_prepare_stage_records_the_code_mix_only_when_asked(tmp_path, tiny_assets, tiny_target_dir):
+    plain = prepare_stage.run(prepare_cfg(tmp_path, tiny_assets, tiny_target_dir))
+    assert "code_mix" not in plain  # a default run's prompts and summary stay as they were
+    summary = prepare_stage.run(prepare_cfg(tmp_path / "mix", tiny_assets, tiny_target_dir, code_fraction=0.0))
+    assert summary["code_mix"]["train"] == {"prompts": 30, "code": 0, "code_share": 0.0}
+    assert json.loads((tmp_path / "mix/prompts/summary.json").read_text())["code_mix"]["val"]["code"] == 0

@@ -58,7 +58,13 @@ class PrepareConfig:
     min_prompt_tokens: int = 4
     max_prompt_tokens: int = 512
     min_reference_chars: int = 1
+    code_fraction: float | None = None  # train share whose dataset answer holds code (null: the source's own mix)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.code_fraction is not None and not 0.0 <= self.code_fraction <= 1.0:
+            raise PromptError(f"data.code_fraction={self.code_fraction}: give a share in [0, 1], "
+                              "or null for the source's own mix")
 
 
 # --- reading sources -----------------------------------------------------------------------------
@@ -163,6 +169,17 @@ def contexts(conv_id: str, turns: list[dict[str, str]], max_turns: int) -> Itera
             return
 
 
+# Markers of code in an answer: a fence, or a line that starts a definition, an import or a query. Used to
+# weight the training mix towards code (HumanEval-like targets); ShareGPT has no domain labels of its own.
+CODE_MARKERS = re.compile(
+    r"```|^\s*(?:def|class) \w+|^\s*(?:import|from) [\w.]+|#include\s*<|\bfunction\s*\w*\s*\(|"
+    r"\bpublic (?:static )?(?:class|void)\b|console\.log\(|^\s*SELECT\b.+\bFROM\b", re.M)
+
+
+def looks_like_code(text: str) -> bool:
+    return CODE_MARKERS.search(text) is not None
+
+
 def _hash01(key: str) -> float:
     return int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
@@ -214,8 +231,10 @@ def build_train_val(pairs: Iterable[tuple[str, list[dict[str, str]]]], cfg: Prep
         # split by conversation, so no conversation feeds both train and val
         (val if _hash01(f"split:{ctx['conv_id']}") < cfg.val_fraction else train).append(row)
     rng = np.random.default_rng(cfg.seed)
-    train = [train[i] for i in rng.permutation(len(train))[: cfg.num_train]]
-    val = [val[i] for i in rng.permutation(len(val))[: cfg.num_val]]
+    natural = [train[i] for i in rng.permutation(len(train))[: cfg.num_train]]  # drawn either way: val's draw stays
+    train = natural if cfg.code_fraction is None else code_mix(train, cfg.num_train, cfg.code_fraction,
+                                                               np.random.default_rng([cfg.seed, 1]))
+    val = [val[i] for i in rng.permutation(len(val))[: cfg.num_val]]  # val keeps the source's mix: comparable
     if not train or not val:
         raise PromptError(f"no prompts left for {'train' if not train else 'val'} after filtering ({stats}); "
                           "relax data.min_prompt_tokens / max_prompt_tokens or raise data.val_fraction")
@@ -223,6 +242,31 @@ def build_train_val(pairs: Iterable[tuple[str, list[dict[str, str]]]], cfg: Prep
         log.warning("asked for %d train / %d val prompts, the source gives %d / %d", cfg.num_train, cfg.num_val,
                     len(train), len(val))
     return train, val, stats
+
+
+def code_mix(rows: list[dict[str, Any]], n: int, fraction: float, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """`n` rows, round(n * fraction) of them with code in their dataset answer, in random order.
+
+    The answer is the source's (`reference`), not the target's, which does not exist yet: the prompt is
+    what is chosen here, and a prompt whose answer held code asks for code.
+    """
+    code = [r for r in rows if looks_like_code(r["reference"])]
+    chat = [r for r in rows if not looks_like_code(r["reference"])]
+    n = min(n, len(rows))
+    want = round(n * fraction)
+    if want > len(code) or n - want > len(chat):
+        raise PromptError(f"data.code_fraction={fraction} of {n} train prompts needs {want} with code and "
+                          f"{n - want} without; the source has {len(code)} and {len(chat)} after filtering. "
+                          "Lower data.num_train, or move data.code_fraction towards the source's own share "
+                          f"({len(code) / max(len(rows), 1):.2f})")
+    picked = ([code[i] for i in rng.permutation(len(code))[:want]]
+              + [chat[i] for i in rng.permutation(len(chat))[: n - want]])
+    return [picked[i] for i in rng.permutation(len(picked))]
+
+
+def mix_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    code = sum(looks_like_code(r["reference"]) for r in rows)
+    return {"prompts": len(rows), "code": code, "code_share": round(code / max(len(rows), 1), 4)}
 
 
 def mtbench_rows(path: str | Path, tokenizer: Any, limit: int) -> list[dict[str, Any]]:

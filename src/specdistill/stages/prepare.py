@@ -12,6 +12,7 @@ from specdistill.data.prompts import (
     SourceConfig,
     build_train_val,
     humaneval_rows,
+    mix_summary,
     mtbench_rows,
     read_datasets_source,
     read_sharegpt_json,
@@ -63,5 +64,8 @@ def _prepare(src: SourceConfig, pcfg: PrepareConfig, tokenizer: Any, out: Path) 
         summary["splits"][name] = {"prompts": len(rows), "prompt_tokens": n_tok}
         log.info("%-9s %6d prompts, %8d prompt tokens", name, len(rows), n_tok)
     log.info("filtering: %s", stats)
+    if pcfg.code_fraction is not None:  # only then, so a default run's prompts stay byte-identical
+        summary["code_mix"] = {name: mix_summary(splits[name]) for name in ("train", "val")}
+        log.info("code mix: %s", summary["code_mix"])
     write_json(out / "summary.json", summary)
     return summary
