@@ -42,8 +42,9 @@ def _row(name: str, r: dict[str, Any]) -> str:
     else:
         layers = s["draft"]["num_layers"]
         student, init = f"{s['draft']['name']} ({layers} layer{'s' if layers > 1 else ''})", s["method"]["init"]
-    if s["method"].get("init_from"):  # a continued run: its steps are this run's, on top of that folder's
-        init = f"continued from `{s['method']['init_from']}`"
+    if s["method"].get("init_from"):  # a continued run: its steps are this run's, on top of that folder's;
+        how = "continued from" if r["steps"] else "validated as saved in"  # or none: max_steps=0 validates it
+        init = f"{how} `{s['method']['init_from']}`"
     tau_t1 = f"{f['val/tau_sim']:.2f}" if "val/tau_sim" in f else "–"  # deterministic drafts (Medusa) have no T=1 chain
     return (f"| {name} | {student} | {init} | {vocab} | {s['loss']['name']} | {data['source']} | {r['steps']} | "
             f"{s.get('train_tokens', 0):,} | {f.get('val/alpha', 0):.3f} | {f.get('val/alpha_t0', 0):.3f} | "
