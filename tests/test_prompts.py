@@ -185,14 +185,24 @@ def test_code_fraction_sets_the_train_mix_and_leaves_val_alone(tiny_tokenizer):
         assert [r["id"] for r in val] == [r["id"] for r in val0]  # val: the source's mix, untouched
         assert sum(r["id"].startswith("k") for r in train) == round(40 * frac)  # the markers found the code ones
     assert 0 < mix_summary(natural)["code"] < 40  # null keeps the source's mix, code and chat alike
-    assert looks_like_code("    import numpy as np") and looks_like_code("SELECT a FROM t")
-    assert not looks_like_code("Define a class of problems, and import goods from France.")
+    for code in ("    import numpy as np", "import os", "from a.b import c", "def f(x):", "class A(B):",
+                 "SELECT name\nFROM users;", "function add(a, b) {", "#include <stdio.h>",
+                 "import React from 'react';"):
+        assert looks_like_code(code), code
+    for prose in ("Define a class of problems, and import goods from France.", "Intro:\nfrom France we went on",
+                  "class struggle is old", "the function f(x) is convex", "import duties rose in 2020, and",
+                  "SELECT a committee; the rest is FROM memory"):
+        assert not looks_like_code(prose), prose
 
 
 def test_a_code_fraction_the_source_cannot_give_names_the_fix(tiny_tokenizer):
     recs = sharegpt_records(60) + coding_records(5)
-    with pytest.raises(PromptError, match="Lower data.num_train, or move data.code_fraction"):
+    with pytest.raises(PromptError, match=r"needs 20 with code and 20 without; the source has \d+ and \d+ after "
+                                          "filtering. Lower data.num_train, or move data.code_fraction"):
         build_train_val(pairs(recs), prep_cfg(num_train=40, code_fraction=0.5), tiny_tokenizer, "s")
+    few_chat = sharegpt_records(3) + coding_records(60)  # too little chat for a share of 0
+    with pytest.raises(PromptError, match=r"needs 0 with code and 40 without"):
+        build_train_val(pairs(few_chat), prep_cfg(num_train=40, code_fraction=0.0), tiny_tokenizer, "s")
     with pytest.raises(PromptError, match=r"code_fraction=1.5: give a share in \[0, 1\]"):
         prep_cfg(code_fraction=1.5)
 

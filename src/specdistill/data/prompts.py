@@ -169,11 +169,13 @@ def contexts(conv_id: str, turns: list[dict[str, str]], max_turns: int) -> Itera
             return
 
 
-# Markers of code in an answer: a fence, or a line that starts a definition, an import or a query. Used to
+# Markers of code in an answer: a fence, or a line that starts a definition, an import or a query, each in a
+# form prose does not take ("from France we went", "class struggle", "the function f(x)" do not match). Used to
 # weight the training mix towards code (HumanEval-like targets); ShareGPT has no domain labels of its own.
 CODE_MARKERS = re.compile(
-    r"```|^\s*(?:def|class) \w+|^\s*(?:import|from) [\w.]+|#include\s*<|\bfunction\s*\w*\s*\(|"
-    r"\bpublic (?:static )?(?:class|void)\b|console\.log\(|^\s*SELECT\b.+\bFROM\b", re.M)
+    r"```|^\s*def \w+\s*\(|^\s*class \w+\s*[:({]|^\s*import [\w.]+\s*(?:$|;| as )|^\s*import .+ from ['\"]|^\s*from [\w.]+ import\b|"
+    r"#include\s*<|\bfunction\s*\w*\s*\([^)]*\)\s*\{|\bpublic (?:static )?(?:class|void)\b|console\.log\(|"
+    r"^\s*SELECT\b[^;]{0,300}?\bFROM\b", re.M)
 
 
 def looks_like_code(text: str) -> bool:
@@ -231,9 +233,11 @@ def build_train_val(pairs: Iterable[tuple[str, list[dict[str, str]]]], cfg: Prep
         # split by conversation, so no conversation feeds both train and val
         (val if _hash01(f"split:{ctx['conv_id']}") < cfg.val_fraction else train).append(row)
     rng = np.random.default_rng(cfg.seed)
-    natural = [train[i] for i in rng.permutation(len(train))[: cfg.num_train]]  # drawn either way: val's draw stays
-    train = natural if cfg.code_fraction is None else code_mix(train, cfg.num_train, cfg.code_fraction,
-                                                               np.random.default_rng([cfg.seed, 1]))
+    order = rng.permutation(len(train))  # drawn either way: val's draw must not depend on code_fraction
+    if cfg.code_fraction is None:
+        train = [train[i] for i in order[: cfg.num_train]]
+    else:
+        train = code_mix(train, cfg.num_train, cfg.code_fraction, np.random.default_rng([cfg.seed, 1]))
     val = [val[i] for i in rng.permutation(len(val))[: cfg.num_val]]  # val keeps the source's mix: comparable
     if not train or not val:
         raise PromptError(f"no prompts left for {'train' if not train else 'val'} after filtering ({stats}); "
@@ -250,8 +254,9 @@ def code_mix(rows: list[dict[str, Any]], n: int, fraction: float, rng: np.random
     The answer is the source's (`reference`), not the target's, which does not exist yet: the prompt is
     what is chosen here, and a prompt whose answer held code asks for code.
     """
-    code = [r for r in rows if looks_like_code(r["reference"])]
-    chat = [r for r in rows if not looks_like_code(r["reference"])]
+    is_code = [looks_like_code(r["reference"]) for r in rows]
+    code = [r for r, c in zip(rows, is_code, strict=True) if c]
+    chat = [r for r, c in zip(rows, is_code, strict=True) if not c]
     n = min(n, len(rows))
     want = round(n * fraction)
     if want > len(code) or n - want > len(chat):
