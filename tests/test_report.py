@@ -109,6 +109,8 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     eagle["final"]["val/vocab_coverage"] = 0.883
     (tmp_path / "metrics/train_eagle.json").write_text(json.dumps(eagle))
     (tmp_path / "metrics/train_eagle_check.json").write_text(json.dumps({**eagle, "steps": 0}))  # max_steps=0
+    code = {**eagle, "settings": {**eagle["settings"], "prompt_mix": {"code_fraction": 0.5}}}
+    (tmp_path / "metrics/train_eagle_code.json").write_text(json.dumps(code))  # data.code_fraction=0.5
     union = metrics("eagle", [0.5, 0.4], 2.5)
     union["settings"].update(eagle_variant="eagle3", draft_vocab=8192, lookup_branch=True, lookup_k=8,
                              eagle_tree={"shape": "dynamic", "total_tokens": 8})
@@ -122,6 +124,7 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     assert "| eagle | EAGLE head (eagle3, 1 layer, TTT 3) | continued from `models/eagle_a` |" in text and "| 0.883 |" in text
     assert "| medusa | Medusa, 4 heads x 1 block | target's LM head |" in text  # no init_from: how it started
     assert "| eagle_check | EAGLE head (eagle3, 1 layer, TTT 3) | validated as saved in `models/eagle_a` |" in text
+    assert "| fkl | target, 50% code prompts | 160 |" in text and "| fkl | target | 160 |" in text
 
 
 def test_report_has_the_online_table_and_curve(tmp_path, monkeypatch):

@@ -71,9 +71,11 @@ def test_fast_dev_run_every_loss(tmp_path, tiny_target_dir, generated, loss, voc
 
 @pytest.mark.parametrize("source", ["draft", "mix"])
 def test_on_policy_sources_train(tmp_path, tiny_target_dir, generated, source):
+    mix = ["data.code_fraction=0.5"] if source == "mix" else []  # the prompt mix is recorded only when set
     res = train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, f"distill.data.source={source}",
-                                              "distill.data.max_response_tokens=6", "+trainer.fast_dev_run=2")))
+                                              "distill.data.max_response_tokens=6", "+trainer.fast_dev_run=2", *mix)))
     assert res["settings"]["distill"]["data"]["source"] == source and 0 < res["final"]["val/alpha"] <= 1
+    assert res["settings"].get("prompt_mix") == ({"code_fraction": 0.5} if mix else None)
 
 
 def test_a_killed_run_resumes_its_step_count_and_curve(tmp_path, tiny_target_dir, generated, monkeypatch):

@@ -45,8 +45,11 @@ def _row(name: str, r: dict[str, Any]) -> str:
     if s["method"].get("init_from"):  # a continued run: its steps are this run's, on top of that folder's;
         how = "continued from" if r["steps"] else "validated as saved in"  # or none: max_steps=0 validates it
         init = f"{how} `{s['method']['init_from']}`"
+    source = data["source"]
+    if s.get("prompt_mix"):  # data.code_fraction: the prompts the answers were generated for
+        source += f", {s['prompt_mix']['code_fraction']:.0%} code prompts"
     tau_t1 = f"{f['val/tau_sim']:.2f}" if "val/tau_sim" in f else "–"  # deterministic drafts (Medusa) have no T=1 chain
-    return (f"| {name} | {student} | {init} | {vocab} | {s['loss']['name']} | {data['source']} | {r['steps']} | "
+    return (f"| {name} | {student} | {init} | {vocab} | {s['loss']['name']} | {source} | {r['steps']} | "
             f"{s.get('train_tokens', 0):,} | {f.get('val/alpha', 0):.3f} | {f.get('val/alpha_t0', 0):.3f} | "
             f"{tau_t1} | {f.get('val/tau_sim_t0', 0):.2f} | {s['draft_parameters'] / 1e6:.1f}M |")
 

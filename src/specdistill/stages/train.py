@@ -253,6 +253,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                            "train_tokens": datamodule.num_train_tokens, "val_tokens": datamodule.num_val_tokens,
                            "draft_parameters": sum(p.numel() for p in built.student.parameters()),
                            "draft_vocab": None if module.d2t is None else len(module.d2t), **environment()}}
+    code_fraction = (cfg.get("data") or {}).get("code_fraction")
+    if code_fraction is not None:  # only then, so a run on the source's own mix keeps its settings as they were
+        result["settings"]["prompt_mix"] = {"code_fraction": code_fraction}
     if hasattr(module, "trees"):  # Medusa: the per-rank accuracies and the trees grown from them
         result["trees"] = module.trees()
     if trainer.is_global_zero:
