@@ -178,6 +178,10 @@ class DistillModule(pl.LightningModule):
                 logged[f"val/{key}"] = v
         logged.update(self.extra_validation_logs())
         self._reset_metrics()
+        self.log_validation(logged)
+
+    def log_validation(self, logged: dict[str, Any]) -> None:
+        """Log a validation pass's figures (already synced across ranks) and keep them for the curve (val.csv)."""
         self.log_dict({k: torch.as_tensor(v).float() for k, v in logged.items()}, sync_dist=False)
         if not self.trainer.sanity_checking:
             self.val_history.append({"step": self.global_step, **{k: float(v) for k, v in logged.items()}})

@@ -116,9 +116,7 @@ class MedusaModule(DistillModule):
         for b in self.tree_budgets:
             logged[f"val/tau_tree{b}"] = torch.tensor(1 + expected_accepted(grow_tree(acc.tolist(), b), acc.tolist()))
         self.accuracy = acc
-        self.log_dict({k: torch.as_tensor(v).float() for k, v in logged.items()}, sync_dist=False)
-        if not self.trainer.sanity_checking:
-            self.val_history.append({"step": self.global_step, **{k: float(v) for k, v in logged.items()}})
+        self.log_validation(logged)
 
     def trees(self) -> dict[str, Any]:
         """The trees saved beside the heads: grown from the last validation pass's accuracies."""
