@@ -238,7 +238,7 @@ def build_train_val(pairs: Iterable[tuple[str, list[dict[str, str]]]], cfg: Prep
         train = [train[i] for i in order[: cfg.num_train]]
     else:
         train = code_mix(train, cfg.num_train, cfg.code_fraction, np.random.default_rng([cfg.seed, 1]))
-    val = [val[i] for i in rng.permutation(len(val))[: cfg.num_val]]  # val keeps the source's mix: comparable
+    val = _draw(val, cfg.num_val, rng)  # val keeps the source's mix: comparable
     if not train or not val:
         raise PromptError(f"no prompts left for {'train' if not train else 'val'} after filtering ({stats}); "
                           "relax data.min_prompt_tokens / max_prompt_tokens or raise data.val_fraction")
@@ -246,6 +246,11 @@ def build_train_val(pairs: Iterable[tuple[str, list[dict[str, str]]]], cfg: Prep
         log.warning("asked for %d train / %d val prompts, the source gives %d / %d", cfg.num_train, cfg.num_val,
                     len(train), len(val))
     return train, val, stats
+
+
+def _draw(rows: list[dict[str, Any]], k: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """k rows without replacement, in random order (all of them when k >= len(rows))."""
+    return [rows[i] for i in rng.permutation(len(rows))[:k]]
 
 
 def code_mix(rows: list[dict[str, Any]], n: int, fraction: float, rng: np.random.Generator) -> list[dict[str, Any]]:
@@ -264,9 +269,8 @@ def code_mix(rows: list[dict[str, Any]], n: int, fraction: float, rng: np.random
                           f"{n - want} without; the source has {len(code)} and {len(chat)} after filtering. "
                           "Lower data.num_train, or move data.code_fraction towards the source's own share "
                           f"({len(code) / max(len(rows), 1):.2f})")
-    picked = ([code[i] for i in rng.permutation(len(code))[:want]]
-              + [chat[i] for i in rng.permutation(len(chat))[: n - want]])
-    return [picked[i] for i in rng.permutation(len(picked))]
+    picked = _draw(code, want, rng) + _draw(chat, n - want, rng)
+    return _draw(picked, len(picked), rng)
 
 
 def mix_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
