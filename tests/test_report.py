@@ -104,12 +104,14 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     medusa["trees"] = {"acc": acc, "trees": {"4": {"choices": [[0], [1], [0, 0], [0, 0, 0]], "expected_tau": 2.07}}}
     (tmp_path / "metrics/train_medusa.json").write_text(json.dumps(medusa))
     eagle = train_metrics("fkl", "target", 0.7)
-    eagle["settings"]["method"] = {"name": "eagle", "variant": "eagle3", "ttt_steps": 3, "init_from": "models/eagle_a"}
+    eagle["settings"]["method"] = {"name": "eagle", "variant": "eagle3", "ttt_steps": 3,
+                                   "init_from": "/elsewhere/models/eagle_a"}  # recorded before lineage: named only
     eagle["final"].update({f"val/alpha_pos{k}{t}": 0.5 for k in range(1, 5) for t in ("", "_t0")})
     eagle["final"]["val/vocab_coverage"] = 0.883
     (tmp_path / "metrics/train_eagle.json").write_text(json.dumps(eagle))
     (tmp_path / "metrics/train_eagle_check.json").write_text(json.dumps({**eagle, "steps": 0}))  # max_steps=0
-    code = {**eagle, "settings": {**eagle["settings"], "prompt_mix": {"code_fraction": 0.5}}}
+    code = {**eagle, "settings": {**eagle["settings"], "prompt_mix": {"code_fraction": 0.5},
+                                  "lineage": [{"run": "eagle", "steps": 2400}, {"run": "eagle_cont", "steps": 1200}]}}
     (tmp_path / "metrics/train_eagle_code.json").write_text(json.dumps(code))  # data.code_fraction=0.5
     union = metrics("eagle", [0.5, 0.4], 2.5)
     union["settings"].update(eagle_variant="eagle3", draft_vocab=8192, lookup_branch=True, lookup_k=8,
@@ -121,9 +123,11 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
     # exercise 3 from the measured accuracies: the cartesian 3x3x3 tree (39 tokens) against the 4-node tree
     assert "27 candidate sequences and 39 tree tokens" in text and "the chosen tree spends 4 tokens" in text
     assert "| Medusa heads | 20.0M | 38 MiB |" in text and "| separate draft `draft` | 35.4M |" in text
-    assert "| eagle | EAGLE head (eagle3, 1 layer, TTT 3) | continued from `models/eagle_a` |" in text and "| 0.883 |" in text
+    assert "| eagle | EAGLE head (eagle3, 1 layer, TTT 3) | continued from `eagle_a` |" in text and "| 0.883 |" in text
     assert "| medusa | Medusa, 4 heads x 1 block | target's LM head |" in text  # no init_from: how it started
-    assert "| eagle_check | EAGLE head (eagle3, 1 layer, TTT 3) | validated as saved in `models/eagle_a` |" in text
+    assert "| eagle_check | EAGLE head (eagle3, 1 layer, TTT 3) | validated as saved in `eagle_a` |" in text
+    assert "| eagle_code | EAGLE head (eagle3, 1 layer, TTT 3) | continued from `eagle_cont` (eagle 2400 + " \
+           "eagle_cont 1200 steps) |" in text and "/elsewhere" not in text
     assert "| fkl | target, 50% code prompts | 160 |" in text and "| fkl | target | 160 |" in text
 
 

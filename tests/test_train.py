@@ -151,6 +151,35 @@ def test_bad_config_fails_before_the_target_loads(tmp_path, tiny_target_dir, gen
         train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "method=medusa3")))
 
 
+def test_a_continued_run_records_its_lineage(tmp_path, tiny_target_dir, generated):
+    """Each run's name, steps and prompt mix, oldest first, so a report names what a continuation stands on."""
+    def run(name, *extra):
+        return train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, f"distill.output={name}",
+                                                   "trainer.val_check_interval=1", *extra)))
+    first = run("a", "trainer.max_steps=2", "data.code_fraction=0.5")
+    assert "lineage" not in first["settings"]  # a run from scratch keeps its settings as they were
+    run("b", "trainer.max_steps=1", f"methods.draft.init_from={tmp_path}/models/a")
+    third = run("c", "trainer.max_steps=0", f"methods.draft.init_from={tmp_path}/models/b")
+    assert third["settings"]["lineage"] == [
+        {"run": "a", "steps": 2, "train_tokens": first["settings"]["train_tokens"], "prompt_mix": {"code_fraction": 0.5}},
+        {"run": "b", "steps": 1, "train_tokens": first["settings"]["train_tokens"]}]
+    assert json.loads((tmp_path / "metrics/train_c.json").read_text())["settings"]["lineage"][0]["run"] == "a"
+
+
+def test_lineage_of_folders_saved_before_it_or_without_settings(tmp_path):
+    (tmp_path / "bare").mkdir()
+    assert train_stage.lineage(str(tmp_path / "bare")) == [{"run": "bare"}]
+    old = tmp_path / "old"  # saved before lineage was recorded: its init_from is followed while it exists
+    old.mkdir()
+    settings = {"distill": {"output": "old"}, "trainer": {"max_steps": 5}, "train_tokens": 7,
+                "method": {"init_from": str(tmp_path / "bare")}}
+    (old / "specdistill.json").write_text(json.dumps(settings))
+    assert train_stage.lineage(str(old)) == [{"run": "bare"}, {"run": "old", "steps": 5, "train_tokens": 7}]
+    settings["method"]["init_from"] = "/gone/elsewhere/first"  # a folder on another machine: named only
+    (old / "specdistill.json").write_text(json.dumps(settings))
+    assert train_stage.lineage(str(old))[0] == {"run": "first"}
+
+
 def torchrun(tmp_path, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "pipelines/train.py",

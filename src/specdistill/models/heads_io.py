@@ -25,6 +25,12 @@ def write_heads(folder: Path, module: nn.Module, cfg: Any, config_file: str, wei
         (folder / SETTINGS_FILE).write_text(json.dumps(extra, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def read_settings(path: str | Path | None) -> dict[str, Any]:
+    """The training settings saved beside a draft or heads folder ({} when there are none)."""
+    meta = Path(path) / SETTINGS_FILE if path else None
+    return json.loads(meta.read_text()) if meta is not None and meta.exists() else {}
+
+
 def read_heads(path: str | Path, config_cls: type, config_file: str, weights_file: str, error: type[Exception],
                what: str, stage: str, target_fingerprint: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
     """(config, tensors) of a heads folder; `error` when it is missing or was trained on another target:

@@ -28,6 +28,16 @@ def load_curves(plots_dir: Path, names: list[str]) -> dict[str, list[dict[str, f
     return curves
 
 
+def _lineage(s: dict[str, Any]) -> str:
+    """The runs a continued draft stands on, by name and steps (recorded by the train stage); a record from
+    before lineage names the folder only, not the machine's path to it."""
+    runs = s.get("lineage")
+    if not runs:
+        return f"`{Path(s['method']['init_from']).name}`"
+    steps = [f"{e['run']} {e['steps']}" if e.get("steps") is not None else e["run"] for e in runs]
+    return f"`{runs[-1]['run']}` ({' + '.join(steps)} steps)"
+
+
 def _row(name: str, r: dict[str, Any]) -> str:
     s, f = r["settings"], r["final"]
     data = s["distill"]["data"]
@@ -44,7 +54,7 @@ def _row(name: str, r: dict[str, Any]) -> str:
         student, init = f"{s['draft']['name']} ({layers} layer{'s' if layers > 1 else ''})", s["method"]["init"]
     if s["method"].get("init_from"):  # a continued run: its steps are this run's, on top of that folder's;
         how = "continued from" if r["steps"] else "validated as saved in"  # or none: max_steps=0 validates it
-        init = f"{how} `{s['method']['init_from']}`"
+        init = f"{how} {_lineage(s)}"
     source = data["source"]
     if s.get("prompt_mix"):  # data.code_fraction: the prompts the answers were generated for
         source += f", {s['prompt_mix']['code_fraction']:.0%} code prompts"

@@ -23,7 +23,7 @@ from specdistill.evaluation.runner import Conversation, hf_method, our_method, r
 from specdistill.io import atomic_path, write_json
 from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
 from specdistill.models.eagle import load_eagle
-from specdistill.models.heads_io import parameter_bytes
+from specdistill.models.heads_io import parameter_bytes, read_settings
 from specdistill.models.medusa import load_medusa, load_trees
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, load_prompts, section
@@ -94,10 +94,9 @@ class EvalConfig:
 
 def draft_training(path: str | None) -> dict[str, Any] | None:
     """How a trained draft was made (size, loss, data), from the file train@draft writes beside it."""
-    meta = Path(path) / "specdistill.json" if path else None
-    if meta is None or not meta.exists():
+    s = read_settings(path)
+    if not s:
         return None
-    s = json.loads(meta.read_text())
     method = s.get("method", {}).get("name", "draft")
     return {"method": method, "draft_size": s.get("draft", {}).get("name") if method == "draft" else None, "loss": s.get("loss", {}).get("name"),
             "init": s.get("method", {}).get("init"), "data": s.get("distill", {}).get("data", {}).get("source")}

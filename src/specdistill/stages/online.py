@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.io import atomic_path, write_json
+from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
@@ -73,8 +73,7 @@ def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any,
         if head.cfg.variant == "eagle1":
             head.norm.requires_grad_(False)
             head.lm_head.requires_grad_(False)
-        trained = json.loads((Path(path) / "specdistill.json").read_text()).get("method", {}) \
-            if (Path(path) / "specdistill.json").exists() else {}
+        trained = read_settings(path).get("method", {})
         module = EagleModule(target.model, head, ttt_steps=int(trained.get("ttt_steps", 1)),
                              feature_weight=float(trained.get("feature_weight", 0.0)),
                              ce_weight=float(trained.get("ce_weight", 1.0)), loss=build_loss(ocfg.loss),

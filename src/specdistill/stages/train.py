@@ -36,6 +36,7 @@ from specdistill.models.draft_lm import (
     load_draft,
     save_draft,
 )
+from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, environment, section
 from specdistill.training.base import MethodConfigBase
@@ -256,6 +257,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     code_fraction = (cfg.get("data") or {}).get("code_fraction")
     if code_fraction is not None:  # only then, so a run on the source's own mix keeps its settings as they were
         result["settings"]["prompt_mix"] = {"code_fraction": code_fraction}
+    if mcfg.init_from:  # only then: a run from scratch keeps its settings as they were
+        result["settings"]["lineage"] = lineage(mcfg.init_from)
     if hasattr(module, "trees"):  # Medusa: the per-rank accuracies and the trees grown from them
         result["trees"] = module.trees()
     if trainer.is_global_zero:
@@ -270,6 +273,25 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         logger.experiment.finish()  # a multirun's next job gets its own run
     return result
 
+
+
+def lineage(init_from: str) -> list[dict[str, Any]]:
+    """The runs a continued draft went through, oldest first: run name, steps, train tokens and prompt mix of
+    each, read from the settings saved beside every folder (a folder saved without settings is named only).
+
+    A report can then say what a continued run stands on without the machine's paths."""
+    s = read_settings(init_from)
+    if not s:
+        return [{"run": Path(init_from).name}]
+    before = s.get("lineage")
+    if before is None:  # saved before lineage was recorded: follow its own init_from while the folder is there
+        parent = s.get("method", {}).get("init_from")
+        before = lineage(parent) if parent and Path(parent).exists() else ([{"run": Path(parent).name}] if parent else [])
+    entry = {"run": s.get("distill", {}).get("output") or Path(init_from).name,
+             "steps": s.get("trainer", {}).get("max_steps"), "train_tokens": s.get("train_tokens")}
+    if s.get("prompt_mix"):
+        entry["prompt_mix"] = s["prompt_mix"]
+    return [*before, entry]
 
 
 @dataclass
