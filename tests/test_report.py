@@ -166,3 +166,13 @@ def test_draft_label_names_a_lookup_branch_for_every_method_and_the_key_it_had_b
     assert draft_label(medusa)[0] == "Medusa 4 heads, 16-node tree + lookup chain K=6 (8192 tokens)"
     untrained = {"method": "draft", "settings": {"draft": "target's first 4 layers", "lookup_branch": True, "lookup_k": 8}}
     assert draft_label(untrained) == ("target's first 4 layers + lookup chain K=8", "untrained")
+
+
+def test_a_continued_runs_curve_is_labelled_with_what_came_before():
+    from specdistill.reporting.training import curve_label
+
+    lineage = [{"run": "a", "steps": 2400}, {"run": "check", "steps": 0}, {"run": "b", "steps": 1200}, {"run": "bare"}]
+    method = {"init_from": "models/b"}
+    assert curve_label("scratch", {"settings": {"method": {}}}) == "scratch"
+    assert curve_label("old", {"settings": {"method": method}}) == "old (continued)"  # recorded before lineage
+    assert curve_label("c", {"settings": {"method": method, "lineage": lineage}}) == "c (after 3600 steps)"

@@ -79,14 +79,25 @@ def sweep_table(sweep: dict[str, dict[str, Any]]) -> list[str]:
     return [*HEADER, *(_row(name, r) for name, r in rows)]
 
 
-def alpha_curves(curves: dict[str, list[dict[str, float]]], path: Path) -> None:
+def curve_label(name: str, r: dict[str, Any]) -> str:
+    """A run's name in the figure; a continued run's steps are its own, so the label says what came before
+    (the lineage's steps; a folder saved without settings adds none)."""
+    if not r.get("settings", {}).get("method", {}).get("init_from"):
+        return name
+    lineage = r["settings"].get("lineage")
+    if not lineage:  # recorded before lineage
+        return f"{name} (continued)"
+    return f"{name} (after {sum(e.get('steps') or 0 for e in lineage)} steps)"
+
+
+def alpha_curves(curves: dict[str, list[dict[str, float]]], path: Path, labels: dict[str, str] | None = None) -> None:
     from specdistill.reporting.figures import finish, plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, rows in curves.items():
-        steps = [r["step"] for r in rows]
-        ax.plot(steps, [r["alpha"] for r in rows], marker="o", label=f"{name}: alpha (T=1)")
-        ax.plot(steps, [r["alpha_t0"] for r in rows], marker="s", linestyle="--", label=f"{name}: alpha at T=0")
+        steps, label = [r["step"] for r in rows], (labels or {}).get(name, name)
+        ax.plot(steps, [r["alpha"] for r in rows], marker="o", label=f"{label}: alpha (T=1)")
+        ax.plot(steps, [r["alpha_t0"] for r in rows], marker="s", linestyle="--", label=f"{label}: alpha at T=0")
     ax.set(xlabel="training step", ylabel="validation acceptance", title="Acceptance curves: val/alpha against step")
     finish(fig, ax, path, grid=True)
 

@@ -13,6 +13,7 @@ from specdistill.reporting.online import load_online, online_curves, online_tabl
 from specdistill.reporting.tables import formula_check, results_table, time_split, tv_check
 from specdistill.reporting.training import (
     alpha_curves,
+    curve_label,
     eagle_table,
     load_curves,
     load_training,
@@ -119,7 +120,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             if online:
                 online_curves(online, tmp / "online_curves.png")
             if curves:
-                alpha_curves(curves, tmp / "alpha_curves.png")
+                alpha_curves(curves, tmp / "alpha_curves.png", {n: curve_label(n, runs[n]) for n in curves})
             figures.acceptance_by_position(all_metrics, tmp / "acceptance_by_position.png")
             figures.speedup_bars(all_metrics, tmp / "speedup.png")
             figures.tau_vs_k(all_metrics, tmp / "tau_vs_k.png")
