@@ -17,7 +17,6 @@ benchmarks before distillation.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from specdistill.io import atomic_path
+from specdistill.models.heads_io import write_settings
 
 D2T_FILE = "d2t.safetensors"
 
@@ -133,7 +133,7 @@ def save_draft(draft: Any, out_dir: str | Path, tokenizer: Any = None, extra: di
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if extra:
-            (Path(tmp) / "specdistill.json").write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
+            write_settings(tmp, extra)
 
 
 def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:

@@ -22,7 +22,12 @@ def write_heads(folder: Path, module: nn.Module, cfg: Any, config_file: str, wei
     save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(folder / weights_file))
     (folder / config_file).write_text(json.dumps(asdict(cfg), indent=2, sort_keys=True) + "\n")
     if extra:
-        (folder / SETTINGS_FILE).write_text(json.dumps(extra, indent=2, sort_keys=True, default=str) + "\n")
+        write_settings(folder, extra)
+
+
+def write_settings(folder: str | Path, settings: dict[str, Any]) -> None:
+    """The training settings beside a saved draft or heads (what `read_settings` and a run's lineage read)."""
+    (Path(folder) / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def read_settings(path: str | Path | None) -> dict[str, Any]:

@@ -284,9 +284,9 @@ def lineage(init_from: str) -> list[dict[str, Any]]:
     if not s:
         return [{"run": Path(init_from).name}]
     before = s.get("lineage")
-    if before is None:  # saved before lineage was recorded: follow its own init_from while the folder is there
+    if before is None:  # saved before lineage was recorded: follow its own init_from (named only once it is gone)
         parent = s.get("method", {}).get("init_from")
-        before = lineage(parent) if parent and Path(parent).exists() else ([{"run": Path(parent).name}] if parent else [])
+        before = lineage(parent) if parent else []
     entry = {"run": s.get("distill", {}).get("output") or Path(init_from).name,
              "steps": s.get("trainer", {}).get("max_steps"), "train_tokens": s.get("train_tokens")}
     if s.get("prompt_mix"):
