@@ -195,6 +195,23 @@ def test_code_fraction_sets_the_train_mix_and_leaves_val_alone(tiny_tokenizer):
         assert not looks_like_code(prose), prose
 
 
+def test_train_offset_draws_fresh_prompts_after_the_first_draw(tiny_tokenizer):
+    recs = sharegpt_records(60) + coding_records(60)
+    first, val0, _ = build_train_val(pairs(recs), prep_cfg(num_train=30), tiny_tokenizer, "s")
+    both, _, _ = build_train_val(pairs(recs), prep_cfg(num_train=50), tiny_tokenizer, "s")
+    fresh, val, _ = build_train_val(pairs(recs), prep_cfg(num_train=20, train_offset=30), tiny_tokenizer, "s")
+    ids = lambda rows: [r["id"] for r in rows]  # noqa: E731
+    assert ids(fresh) == ids(both)[30:]  # the same order, continued: num_train=30 then these 20 = num_train=50
+    assert not set(ids(fresh)) & set(ids(first)) and ids(val) == ids(val0)
+    mixed, _, _ = build_train_val(pairs(recs), prep_cfg(num_train=20, train_offset=30, code_fraction=0.5),
+                                  tiny_tokenizer, "s")
+    assert not set(ids(mixed)) & set(ids(first)) and sum(i.startswith("k") for i in ids(mixed)) == 10
+    with pytest.raises(PromptError, match=r"data.train_offset=-1: give the number of drawn train prompts to skip"):
+        prep_cfg(train_offset=-1)
+    with pytest.raises(PromptError, match=r"data.train_offset=500 skips all \d+ train prompts .* lower it"):
+        build_train_val(pairs(recs), prep_cfg(train_offset=500), tiny_tokenizer, "s")
+
+
 def test_a_code_fraction_the_source_cannot_give_names_the_fix(tiny_tokenizer):
     recs = sharegpt_records(60) + coding_records(5)
     with pytest.raises(PromptError, match=r"needs 20 with code and 20 without; the source has \d+ and \d+ after "

@@ -59,12 +59,16 @@ class PrepareConfig:
     max_prompt_tokens: int = 512
     min_reference_chars: int = 1
     code_fraction: float | None = None  # train share whose dataset answer holds code (null: the source's own mix)
+    train_offset: int = 0  # skip the first N of the train draw: prompts a draft trained on the first N has not seen
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.code_fraction is not None and not 0.0 <= self.code_fraction <= 1.0:
             raise PromptError(f"data.code_fraction={self.code_fraction}: give a share in [0, 1], "
                               "or null for the source's own mix")
+        if self.train_offset < 0:
+            raise PromptError(f"data.train_offset={self.train_offset}: give the number of drawn train prompts to skip "
+                              "(0 or more)")
 
 
 # --- reading sources -----------------------------------------------------------------------------
@@ -234,10 +238,15 @@ def build_train_val(pairs: Iterable[tuple[str, list[dict[str, str]]]], cfg: Prep
         (val if _hash01(f"split:{ctx['conv_id']}") < cfg.val_fraction else train).append(row)
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(train))  # drawn either way: val's draw must not depend on code_fraction
+    if cfg.train_offset and cfg.train_offset >= len(train):
+        raise PromptError(f"data.train_offset={cfg.train_offset} skips all {len(train)} train prompts the source "
+                          "gives after filtering; lower it")
     if cfg.code_fraction is None:
-        train = [train[i] for i in order[: cfg.num_train]]
-    else:
-        train = code_mix(train, cfg.num_train, cfg.code_fraction, np.random.default_rng([cfg.seed, 1]))
+        train = [train[i] for i in order[cfg.train_offset: cfg.train_offset + cfg.num_train]]
+    else:  # the mix draws from what the natural draw's first train_offset prompts leave, in the source's order
+        seen = set(order[: cfg.train_offset].tolist())
+        train = code_mix([r for i, r in enumerate(train) if i not in seen], cfg.num_train, cfg.code_fraction,
+                         np.random.default_rng([cfg.seed, 1]))
     val = _draw(val, cfg.num_val, rng)  # val keeps the source's mix: comparable
     if not train or not val:
         raise PromptError(f"no prompts left for {'train' if not train else 'val'} after filtering ({stats}); "
