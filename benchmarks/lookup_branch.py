@@ -9,7 +9,8 @@ and prints tau, speed-up (jackknife-t 95% interval) and the draft / verify secon
 A variant is `eagle`, `medusa`, `lookup`, `u:<nodes>:<lookup_k>:<min_ngram>[:<depth>:<top_k>]`: the union of a
 dynamic EAGLE tree of <nodes> nodes (depth / top_k by default 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) and a lookup chain, or
 `m:<lookup_k>:<min_ngram>`: Medusa's saved tree of eval.medusa_budget nodes and a lookup chain (is the branch
-EAGLE's edge, or does every deterministic tree gain as much?). It runs on the dev prompts by default (`eval.split`):
+EAGLE's edge, or does every deterministic tree gain as much?). A `+b<N>` suffix on `lookup`, `u:` or `m:` makes
+the lookup draft a tree of N sibling chains (`eval.lookup_branches`), e.g. `lookup+b2`, `u:8:8:1+b2`. It runs on the dev prompts by default (`eval.split`):
 choose settings there, then report them on the test prompts with the evaluate stage. Needs `dvc repro prepare train@eagle` (and
 `train@medusa` for the Medusa variants) first. The README's lookup-branch choices come from it.
 """
@@ -47,19 +48,24 @@ def tree(nodes: int, depth: int | None = None, top_k: int | None = None) -> Eagl
     return EagleTreeConfig(shape="dynamic", depth=4, top_k=4, total_tokens=nodes)
 
 
-def parse(name: str) -> tuple[str, tuple[int, ...]]:
-    """A variant's kind and numbers; a bad name fails here, before the target loads."""
-    if name in ("eagle", "medusa", "lookup"):
-        return name, ()
-    kind, *rest = name.split(":")
+def parse(name: str) -> tuple[str, tuple[int, ...], int]:
+    """A variant's kind, numbers and lookup branches; a bad name fails here, before the target loads."""
+    base, _, b = name.partition("+b")
+    branches = int(b) if b.isdigit() and int(b) >= 1 else 0
+    if b and (not branches or base in ("eagle", "medusa")):
+        raise SystemExit(f"variant {name!r}: +b<N> (N >= 1 lookup chains) goes on lookup, u: or m: variants")
+    branches = branches or 1
+    if base in ("eagle", "medusa", "lookup"):
+        return base, (), branches
+    kind, *rest = base.split(":")
     try:
         numbers = tuple(map(int, rest))
     except ValueError:
         numbers = ()
     if (kind, len(numbers)) not in (("u", 3), ("u", 5), ("m", 2)) or min(numbers) < 1:
         raise SystemExit(f"variant {name!r}: use eagle, medusa, lookup, u:<nodes>:<lookup_k>:<min_ngram>[:<depth>:<top_k>] or "
-                         "m:<lookup_k>:<min_ngram> (positive integers)")
-    return kind, numbers
+                         "m:<lookup_k>:<min_ngram> (positive integers), with +b<N> for N lookup chains")
+    return kind, numbers, branches
 
 
 def main() -> None:
@@ -87,18 +93,19 @@ def main() -> None:
     tok, model = target.tokenizer, target.model
     # each draft loads only when a variant asks for it, so an EAGLE-only run needs no Medusa heads
     head = heads = choices = None
-    used = {kind for kind, _ in kinds.values()}
+    used = {kind for kind, _, _ in kinds.values()}
     if used & {"eagle", "u"}:
         head = load_eagle(args.eagle, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
     if used & {"medusa", "m"}:
         heads = load_medusa(args.medusa, dtype=model.dtype, target_fingerprint=target.fingerprint).to(target.device)
         choices = medusa_choices(EvalConfig(method="medusa", medusa_path=args.medusa, medusa_budget=ev["medusa_budget"]))
 
-    def lookup(k: int, lo: int) -> PromptLookupProposer:
-        return PromptLookupProposer(k, max(ev["lookup_max_ngram"], lo), lo)
-
     def variant(name: str):
-        kind, numbers = kinds[name]
+        kind, numbers, branches = kinds[name]
+
+        def lookup(k: int, lo: int) -> PromptLookupProposer:
+            return PromptLookupProposer(k, max(ev["lookup_max_ngram"], lo), lo, branches)
+
         if kind == "eagle":
             return EagleProposer(head, EagleTreeConfig(**ev["eagle_tree"]))
         if kind == "medusa":

@@ -17,3 +17,29 @@ def test_benchmark_help(script):
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage:") and "--help" in out.stdout
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_lookup_replay_equals_real_decoding_along_the_same_answer(branches, tiny_tokenizer):
+    """benchmarks/lookup_replay.py's tau is the speculative loop's wherever decoding follows AR's answer (in float32
+    it always does): the same forwards, token for token, without the target."""
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    from lookup_replay import replay
+
+    from specdistill.decoding.loop import speculative_generate
+    from specdistill.decoding.proposers import PromptLookupProposer
+    from specdistill.decoding.verifier import TargetVerifier
+
+    from .conftest import make_model
+    target = make_model(len(tiny_tokenizer), seed=0)
+    proposer = PromptLookupProposer(k=4, branches=branches)
+    gained = 0
+    for prompt, stops in (([1, 5, 9, 13, 5, 9, 40], set()), ([1, 77, 3, 12, 77, 3], set()), ([1, 200, 201, 202, 200, 201], set()),
+                          ([1, 5, 9, 13, 5, 9, 40], {9, 13})):  # the last one stops early: the budget is max_new_tokens
+        ar = speculative_generate(TargetVerifier(target, 128), None, prompt, 40, stops)
+        spec = speculative_generate(TargetVerifier(target, 128), proposer, prompt, 40, stops)
+        assert spec.tokens == ar.tokens
+        tokens, forwards, nodes = replay({"prompt": prompt, "tokens": ar.tokens}, proposer, 40)
+        assert (tokens, forwards, nodes) == (len(spec.tokens), spec.target_forwards, sum(r.draft_len for r in spec.rounds))
+        gained += spec.target_forwards < len(spec.tokens)
+    assert gained  # lookup was accepted somewhere: the comparison covered accepted drafts, not only empty rounds

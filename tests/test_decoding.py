@@ -167,18 +167,32 @@ def models(tiny_tokenizer):
 
 
 @pytest.mark.parametrize("draft_kind", ["good", "half", "bad"])
-@pytest.mark.parametrize("shape", ["chain", "tree", "lookup"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "lookup", "lookup_tree"])
 def test_greedy_equals_plain_greedy(models, draft_kind, shape):
     target, good, bad, half = models
     draft = {"good": good, "bad": bad, "half": half}[draft_kind]
     proposer = {"chain": DraftLMProposer(draft, k=4), "tree": DraftLMProposer(draft, branching=[2, 2, 1]),
-                "lookup": PromptLookupProposer(k=4)}[shape]
+                "lookup": PromptLookupProposer(k=4), "lookup_tree": PromptLookupProposer(k=4, branches=3)}[shape]
     ver = TargetVerifier(target, capacity=128)
     for prompt in PROMPTS:
         res = speculative_generate(ver, proposer, prompt, 24, stops=set())
         assert res.tokens == plain_greedy(target, prompt, 24), (shape, draft_kind, prompt)
-        if draft_kind == "good" and shape != "lookup":
+        if draft_kind == "good" and not shape.startswith("lookup"):
             assert res.tau > 3.0  # the target as its own draft: (almost) everything accepted
+
+
+def test_lookup_tree_holds_the_latest_longest_match_first_then_other_first_tokens():
+    #          0  1  2  3  4  5  6  7  8  9
+    context = [7, 0, 3, 5, 1, 3, 2, 6, 0, 3]  # "0 3" at 1 (then 5 1 3), "3" also at 5 (then 2 6 0) and 2 (then 5: a repeat)
+    greedy = SamplingConfig()
+    one = PromptLookupProposer(k=3, max_ngram=2).propose(context, 8, greedy, None)
+    assert one.is_chain and one.tokens.tolist() == [5, 1, 3]  # branches=1: the single-chain proposer as before
+    tree = PromptLookupProposer(k=3, max_ngram=2, branches=3).propose(context, 8, greedy, None)
+    assert tree.tokens.tolist() == [5, 1, 3, 2, 6, 0] and tree.parents.tolist() == [-1, 0, 1, -1, 3, 4]
+    assert PromptLookupProposer(k=3, max_ngram=2, branches=3).propose(context, 2, greedy, None).tokens.tolist() == [5, 1, 2, 6]
+    assert PromptLookupProposer(k=3, branches=2).propose([4, 5, 6], 8, greedy, None) is None  # no match: no draft
+    with pytest.raises(ValueError, match="branches"):
+        PromptLookupProposer(branches=0)
 
 
 def test_k0_loop_is_plain_autoregressive(models):

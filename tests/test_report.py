@@ -166,6 +166,10 @@ def test_draft_label_names_a_lookup_branch_for_every_method_and_the_key_it_had_b
     assert draft_label(medusa)[0] == "Medusa 4 heads, 16-node tree + lookup chain K=6 (8192 tokens)"
     untrained = {"method": "draft", "settings": {"draft": "target's first 4 layers", "lookup_branch": True, "lookup_k": 8}}
     assert draft_label(untrained) == ("target's first 4 layers + lookup chain K=8", "untrained")
+    tree = {**untrained, "settings": {**untrained["settings"], "lookup_branches": 2}}  # eval.lookup_branches=2
+    assert draft_label(tree) == ("target's first 4 layers + lookup tree of 2 chains, K=8", "untrained")
+    assert draft_label({"method": "lookup", "settings": {"lookup_branches": 2}})[0] == "prompt lookup, a tree of 2 chains"
+    assert draft_label({"method": "lookup", "settings": {}})[0] == "prompt lookup"
 
 
 def test_a_continued_runs_curve_is_labelled_with_what_came_before():

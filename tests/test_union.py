@@ -98,12 +98,15 @@ def test_greedy_medusa_plus_lookup_equals_plain_greedy(target):  # noqa: F811
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_eagle_plus_lookup_sampling_is_lossless():
-    """Temperature 1: an EAGLE-2 dynamic tree and a lookup chain merged; the prompt repeats so lookup drafts."""
+@pytest.mark.parametrize("branches", [1, 2])
+def test_eagle_plus_lookup_sampling_is_lossless(branches):
+    """Temperature 1: an EAGLE-2 dynamic tree and a lookup chain (or two sibling chains) merged; the prompt
+    repeats so lookup drafts."""
     table, _ = tables()
     eagle = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3), capacity=32)
-    union = UnionProposer(eagle, PromptLookupProposer(k=3))
-    prompt = [0, 3, 5, 0, 3]  # lookup's first draft: 5 0 3
+    union = UnionProposer(eagle, PromptLookupProposer(k=3, branches=branches))
+    # lookup's first draft: 5 1 3 (after "0 3"), and with two branches also 2 0 3 (after the later "3")
+    prompt = [0, 3, 5, 1, 3, 2, 0, 3]
     ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
     draws = np.array([speculative_generate(ver, union, prompt, 4, set(), sampling, gen).tokens for _ in range(20_000)])
     exact = exact_marginals(table, table[prompt[-1]], sampling, 4)
@@ -115,13 +118,14 @@ def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_di
     from specdistill.stages import evaluate as evaluate_stage
     from specdistill.stages.common import ConfigError
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", lookup_branch=True,
-                            hf_baselines=False, lookup_k=4)
+                            hf_baselines=False, lookup_k=4, lookup_branches=2)
     metrics = evaluate_stage.run(cfg)
-    assert metrics["settings"]["lookup_branch"] is True
+    assert metrics["settings"]["lookup_branch"] is True and metrics["settings"]["lookup_branches"] == 2
     t0 = greedy_texts(tmp_path / "plots/eagle_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
     bad = [({"method": "lookup"}, "the chain alone"), ({"eagle_tree": {"shape": "chain"}}, "an EAGLE chain drafts by sampling"),
-           ({"method": "draft"}, r"a draft LM chain drafts by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram")]
+           ({"method": "draft"}, r"a draft LM chain drafts by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram"),
+           ({"lookup_branches": 0}, r"lookup_branches >= 1 \(0\)")]
     for change, message in bad:
         with pytest.raises(ConfigError, match=message):
             evaluate_stage.run({**cfg, "eval": {**cfg["eval"], **change}})

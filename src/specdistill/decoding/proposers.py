@@ -4,7 +4,8 @@
   (sampled from its warped distribution, or its argmax at temperature 0) or a top-k tree with a
   branching factor per depth (deterministic nodes), scored level by level with tree attention.
 - `PromptLookupProposer`: no model; the tokens that followed the latest earlier occurrence of the
-  context's last n-gram (Saxena 2023). A training-free baseline.
+  context's last n-gram (Saxena 2023). A training-free baseline. With `branches` > 1, the continuations of
+  older occurrences and shorter n-grams that start with another token become sibling chains of one tree.
 Medusa and EAGLE heads plug in through the same `propose` signature.
 """
 
@@ -109,8 +110,10 @@ class DraftLMProposer:
 
 class PromptLookupProposer:
     feature_layers = ()
-    def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1):
-        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+    def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1):
+        if branches < 1:
+            raise ValueError(f"branches={branches}: the lookup tree needs at least one chain")
+        self.k, self.max_ngram, self.min_ngram, self.branches = k, max_ngram, min_ngram, branches
 
     def reset(self) -> None:
         pass
@@ -118,11 +121,30 @@ class PromptLookupProposer:
     def propose(self, context: list[int], max_depth: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, features: torch.Tensor | None = None) -> DraftTree | None:
         k = min(self.k, max_depth)
+        chains: list[list[int]] = []
+        firsts: set[int] = set()
+        # longest n-gram first, and for each its latest earlier occurrence first: the best single guess leads,
+        # and each further chain must start with a token no chain before it starts with (else it would
+        # mostly repeat a path the tree already holds)
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             suffix = context[-n:]
-            for start in range(len(context) - n - 1, -1, -1):  # latest earlier occurrence first
+            for start in range(len(context) - n - 1, -1, -1):
                 if context[start:start + n] == suffix:
                     follow = context[start + n:start + n + k]
-                    if follow:
-                        return DraftTree.chain(follow)
-        return None
+                    if follow and follow[0] not in firsts:
+                        chains.append(follow)
+                        firsts.add(follow[0])
+                        if len(chains) == self.branches:
+                            return _siblings(chains)
+        return _siblings(chains) if chains else None
+
+
+def _siblings(chains: list[list[int]]) -> DraftTree:
+    """Chains with distinct first tokens as children of the root, one after another (topological order)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    for chain in chains:
+        first = len(tokens)
+        tokens.extend(chain)
+        parents.extend([-1] + list(range(first, first + len(chain) - 1)))
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))

@@ -29,7 +29,8 @@ def speedup_cell(s: dict[str, Any], interval: bool = True) -> str:
 def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
     s = metrics["settings"]
     if metrics["method"] == "lookup":
-        return "prompt lookup", "–"
+        branches = s.get("lookup_branches", 1)
+        return "prompt lookup" + (f", a tree of {branches} chains" if branches > 1 else ""), "–"
     trained = s.get("draft_training")
     if metrics["method"] == "eagle":
         data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
@@ -48,10 +49,14 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
 
 
 def lookup_branch(settings: dict[str, Any]) -> str:
-    """' + lookup chain K=..' for a run verified with a lookup branch (`eagle_lookup`: its name before it
-    served every method, in metrics written then)."""
+    """' + lookup chain K=..' (or '+ lookup tree of N chains, K=..') for a run verified with a lookup branch
+    (`eagle_lookup`: its name before it served every method, in metrics written then)."""
     on = settings.get("lookup_branch", settings.get("eagle_lookup"))
-    return f" + lookup chain K={settings.get('lookup_k')}" if on else ""
+    if not on:
+        return ""
+    branches = settings.get("lookup_branches", 1)  # absent in metrics written before the lookup tree: one chain
+    return f" + lookup chain K={settings.get('lookup_k')}" if branches == 1 else \
+        f" + lookup tree of {branches} chains, K={settings.get('lookup_k')}"
 
 
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:

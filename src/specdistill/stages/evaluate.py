@@ -66,6 +66,9 @@ class EvalConfig:
     lookup_k: int = 8  # prompt lookup (method=lookup, the draft method's lookup row, lookup_branch)
     lookup_max_ngram: int = 3
     lookup_min_ngram: int = 1
+    # sibling chains in the lookup tree: the latest match of the longest n-gram, then older matches and shorter
+    # n-grams that start with another token (proposers.py); 1 = the single chain of prompt-lookup decoding
+    lookup_branches: int = 1
     capacity: int = 4096  # KV cache tokens per generation
     seed: int = 0
 
@@ -78,9 +81,10 @@ class EvalConfig:
             tree = EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
         except (TypeError, ValueError) as e:
             raise ConfigError(f"eval.eagle_tree: {e}") from e
-        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram or self.lookup_k < 1:
+        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram or self.lookup_k < 1 or self.lookup_branches < 1:
             raise ConfigError(f"eval.lookup_*: need 1 <= lookup_min_ngram ({self.lookup_min_ngram}) <= lookup_max_ngram "
-                              f"({self.lookup_max_ngram}) and lookup_k >= 1 ({self.lookup_k})")
+                              f"({self.lookup_max_ngram}), lookup_k >= 1 ({self.lookup_k}) and lookup_branches >= 1 "
+                              f"({self.lookup_branches})")
         if self.lookup_branch and self.method == "lookup":
             raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: set eval.method to "
                               "draft, medusa or eagle, or eval.lookup_branch=false (method=lookup is the chain alone)")
@@ -183,7 +187,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, heads.num_heads if heads else 0, eagle_depth)
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
-    lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram, ecfg.lookup_min_ngram)
+    lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram, ecfg.lookup_min_ngram, ecfg.lookup_branches)
     with_lookup = lambda proposer: UnionProposer(proposer, lookup) if ecfg.lookup_branch else proposer  # noqa: E731
     methods = [ours("ar", None)]
     if ecfg.hf_baselines:
