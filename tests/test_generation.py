@@ -47,7 +47,8 @@ def stage_cfg(target_dir: Path, tmp: Path, **gen) -> dict:
          "seed": 7}
     g.update(gen)
     return {"experiment_name": "test", "seed": 7,
-            "paths": {"prompts_dir": str(tmp / "prompts"), "generated_dir": str(tmp / "generated")},
+            "paths": {"prompts_dir": str(tmp / "prompts"), "generated_dir": str(tmp / "generated"),
+                      "metrics_dir": str(tmp / "metrics")},
             "target": {"name_or_path": str(target_dir), "gguf_file": None, "revision": None, "dtype": "float32",
                        "device": "cpu", "trust_remote_code": False, "attn_implementation": "sdpa",
                        "num_threads": None},
@@ -90,6 +91,52 @@ def test_rerun_with_nothing_to_do_rewrites_nothing(workdir, tiny_target_dir):
     again = generate_stage.run(cfg)
     assert again["this_run"]["shards"] == 0 and again["generation"] == first["generation"]
     assert {p: hashlib.md5(p.read_bytes()).hexdigest() for p in files} == digest  # DVC sees the same output
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_identical_runs_write_identical_bytes(workdir, tiny_target_dir):
+    """Two runs from scratch hash the same for DVC (no timing in the data), and the timing goes to metrics."""
+    cfg = stage_cfg(tiny_target_dir, workdir, topk_logprobs=2)
+    first = generate_stage.run(cfg)
+    digest = tree_digest(workdir / "generated")
+    import shutil
+
+    shutil.rmtree(workdir / "generated")
+    (workdir / "metrics/generate.json").unlink()
+    time.sleep(0.01)
+    second = generate_stage.run(cfg)
+    assert tree_digest(workdir / "generated") == digest
+    assert second["counts"] == first["counts"]
+    import json
+
+    timing = json.loads((workdir / "metrics/generate.json").read_text())
+    assert timing["fingerprint"] == first["fingerprint"] and timing["generation"]["untimed_shards"] == 0
+    assert len(timing["shards"]) == 6 and timing["generation"]["new_tokens"] == sum(
+        c["response_tokens"] for c in second["counts"].values())
+    assert timing["generation"]["tokens_per_s"] > 0 and "environment" in timing
+
+
+def test_timing_inside_an_older_shard_moves_to_metrics(workdir, tiny_target_dir):
+    """Shards an older version wrote kept their timing inside: a rerun keeps the shards, moves the timing out."""
+    import json
+
+    cfg = stage_cfg(tiny_target_dir, workdir)
+    generate_stage.run(cfg)
+    digest = tree_digest(workdir / "generated")
+    shard = workdir / "generated/train" / shard_name(1)
+    (shard / "generation.json").write_text(json.dumps({"new_tokens": 40, "seconds": 2.0}))
+    (workdir / "metrics/generate.json").unlink()
+    m = generate_stage.run(cfg)
+    assert m["this_run"]["shards"] == 0 and tree_digest(workdir / "generated") == digest
+    timing = json.loads((workdir / "metrics/generate.json").read_text())
+    assert timing["shards"] == {f"train/{shard_name(1)}": {"new_tokens": 40, "seconds": 2.0}}
+    assert timing["generation"] == {"new_tokens": 40, "seconds": 2.0, "tokens_per_s": 20.0, "untimed_shards": 5}
 
 
 def test_topk_logprobs_are_the_targets(workdir, tiny_target_dir, tiny_model):

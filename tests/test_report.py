@@ -90,6 +90,10 @@ def test_report_has_the_distillation_tables_and_curves(tmp_path, monkeypatch):
     assert "### Sweep" in text and "| draft-s-tvd | xs (2 layers) |" in text
     assert (tmp_path / "reports/alpha_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "train_draft" not in [k for k in report.load_metrics(tmp_path / "metrics")]
+    # the generate stage's timing sits beside the evaluations and is not one
+    (tmp_path / "metrics/generate.json").write_text(json.dumps({"generation": {"tokens_per_s": 270.7}, "shards": {}}))
+    assert list(report.load_metrics(tmp_path / "metrics")) == ["draft"]
+    assert "| generate |" not in render(tmp_path, monkeypatch)
 
 
 def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):

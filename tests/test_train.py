@@ -217,3 +217,20 @@ def test_ddp_training_writes_one_checkpoint_and_one_wandb_run(tmp_path, tiny_tar
     assert sorted(p.name for p in (tmp_path / "checkpoints/draft").glob("*.ckpt")) == ["last.ckpt", "step4.ckpt"]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
+
+
+@pytest.mark.parametrize("method", ["draft", "medusa", "eagle"])
+def test_weights_do_not_depend_on_what_the_process_drew_before(tmp_path, tiny_target_dir, generated, method):
+    """A run is a function of its config and seed: Medusa's residual biases once drew from the process RNG,
+    so a retrain from an empty checkout did not repeat its heads (EAGLE's and the draft's did)."""
+    weights = []
+    for i in range(2):
+        torch.rand(3 + 4 * i)  # what other code in the process drew before
+        extra = [] if method == "draft" else [f"method={method}", f"methods.{method}.vocab_size=128"]
+        extra += ["methods.eagle.feature_layers=[0,1,2]"] if method == "eagle" else []  # the tiny target's 3
+        train_stage.run(composed(*overrides(tmp_path / str(i), tiny_target_dir, generated, "trainer.max_steps=3",
+                                            "trainer.val_check_interval=3", *extra)))
+        folder = tmp_path / str(i) / "models" / method
+        weights.append({k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()})
+    assert weights[0].keys() == weights[1].keys() and weights[0]
+    assert [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])] == []

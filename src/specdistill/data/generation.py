@@ -244,19 +244,24 @@ def prepare_output(out_dir: Path, fingerprint: str) -> None:
             log.info("removed %d half-written shard(s) in %s", removed, split_dir)
 
 
-SHARD_STATS = "generation.json"
+LEGACY_SHARD_STATS = "generation.json"  # timing kept inside a shard before it moved to metrics/generate.json
 
 
-def write_shard(cols: dict[str, list[Any]], final: Path, stats: dict[str, Any] | None = None) -> None:
-    """Write a shard and, inside it, how it was made (tokens, seconds): a resumed run's totals stay exact."""
+def write_shard(cols: dict[str, list[Any]], final: Path) -> None:
+    """Write a shard: its files depend on its rows alone, so identical data keeps its DVC hash on a rerun."""
     import datasets
 
-    save_dataset(datasets.Dataset.from_dict(cols), final, {SHARD_STATS: stats or {}})
+    save_dataset(datasets.Dataset.from_dict(cols), final)
 
 
-def shard_stats(shard: Path) -> dict[str, Any]:
-    path = shard / SHARD_STATS
-    return json.loads(path.read_text()) if path.exists() else {}
+def pop_legacy_stats(shard: Path) -> dict[str, Any] | None:
+    """Timing that an older run wrote inside a shard: read, then removed, so the shard hashes by content."""
+    path = shard / LEGACY_SHARD_STATS
+    if not path.exists():
+        return None
+    stats = json.loads(path.read_text())
+    path.unlink()
+    return stats
 
 
 def count_tokens(shard: Path) -> tuple[int, int, int]:

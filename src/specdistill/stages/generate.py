@@ -1,8 +1,15 @@
-"""generate: the target answers the train / val prompts (on-policy data), in resumable shards."""
+"""generate: the target answers the train / val prompts (on-policy data), in resumable shards.
+
+`data/generated` holds what decides later stages (the shards and a manifest of config, fingerprint and
+counts) and nothing that varies between identical runs, so a rerun that writes the same tokens keeps the
+same DVC hash and leaves every later stage up to date. How fast it went (tokens/s per shard, the machine)
+goes to `metrics/generate.json`, updated after each shard so a killed run's timing survives with its shards.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -16,9 +23,9 @@ from specdistill.data.generation import (
     GenerationError,
     count_tokens,
     generate_shard,
+    pop_legacy_stats,
     prepare_output,
     shard_name,
-    shard_stats,
     write_shard,
 )
 from specdistill.io import write_json
@@ -33,6 +40,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     gcfg = section(GenerateConfig, dict(cfg["generate"]), "generate")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     prompts_dir, out = Path(cfg["paths"]["prompts_dir"]), Path(cfg["paths"]["generated_dir"])
+    timing_file = Path(cfg["paths"]["metrics_dir"]) / "generate.json"
     splits = {}
     for split in gcfg.splits:
         if not (prompts_dir / split).exists():
@@ -48,6 +56,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     plan = [(s, i, range(i * gcfg.shard_size, min((i + 1) * gcfg.shard_size, len(d))))
             for s, d in splits.items() for i in range((len(d) + gcfg.shard_size - 1) // gcfg.shard_size)]
     todo = [p for p in plan if not (out / p[0] / shard_name(p[1])).exists()]
+    timing = kept_timing(timing_file, fingerprint, out, plan)
     log.info("%d shard(s) planned, %d already whole, %d to generate", len(plan), len(plan) - len(todo), len(todo))
 
     group = cfg.get("experiment_name", "default")
@@ -68,43 +77,68 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             seed = gcfg.seed * 1_000_003 + idx + (0 if split == "train" else 500_009)
             t_shard, before = time.perf_counter(), new_tokens
             cols = generate_shard(target.model, target.tokenizer, rows_, gcfg, seed, on_tokens)
-            write_shard(cols, out / split / shard_name(idx),
-                        {"new_tokens": new_tokens - before, "seconds": round(time.perf_counter() - t_shard, 3)})
+            write_shard(cols, out / split / shard_name(idx))
+            timing[f"{split}/{shard_name(idx)}"] = {"new_tokens": new_tokens - before,
+                                                    "seconds": round(time.perf_counter() - t_shard, 3)}
+            write_timing(timing_file, fingerprint, timing, plan)
         bar.close()
         elapsed = time.perf_counter() - t0
 
         counts: dict[str, dict[str, int]] = {}
-        gen = {"new_tokens": 0, "seconds": 0.0}
         for split, idx, _ in plan:
-            shard = out / split / shard_name(idx)
-            n, p, r = count_tokens(shard)
+            n, p, r = count_tokens(out / split / shard_name(idx))
             c = counts.setdefault(split, {"sequences": 0, "shards": 0, "prompt_tokens": 0, "response_tokens": 0})
             c["sequences"] += n
             c["shards"] += 1
             c["prompt_tokens"] += p
             c["response_tokens"] += r
-            stats = shard_stats(shard)
-            gen["new_tokens"] += stats.get("new_tokens", 0)
-            gen["seconds"] += stats.get("seconds", 0.0)
-        # summed over the shards, whichever run made them: a resumed or a no-op rerun gives the same file
-        gen["seconds"] = round(gen["seconds"], 2)
-        gen["tokens_per_s"] = round(gen["new_tokens"] / gen["seconds"], 2) if gen["seconds"] else None
-        previous = {
+        manifest = {
             "config": {"generate": vars(gcfg), "target": vars(tcfg)},
             "target_fingerprint": target.fingerprint,
             "fingerprint": fingerprint,
             "counts": counts,
-            "generation": gen,
-            "environment": environment(),
             "columns": ["id", "input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if gcfg.topk_logprobs else []),
         }
-        write_json(out / "manifest.json", previous)
+        write_json(out / "manifest.json", manifest)
         this_run = {"shards": len(todo), "new_tokens": new_tokens, "seconds": round(elapsed, 2)}
-        manifest = {**previous, "this_run": this_run}
+        metrics = write_timing(timing_file, fingerprint, timing, plan, this_run)
+        manifest = {**manifest, "generation": metrics["generation"], "this_run": this_run}
         run_.summary.update({f"generate/{s}_{k}": v for s, c in counts.items() for k, v in c.items()})
     log.info("generated %d new tokens in %.1f s (%.1f tokens/s); totals %s", new_tokens, elapsed,
              new_tokens / max(elapsed, 1e-9), counts)
     return manifest
+
+
+def kept_timing(path: Path, fingerprint: str, out: Path, plan: list[tuple[str, int, range]]) -> dict[str, Any]:
+    """Timing of the shards this run keeps: from `metrics/generate.json` when it describes this data, or
+    moved out of a shard that an older version wrote it into (so the shard then hashes by content)."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    timing = dict(old.get("shards", {})) if old.get("fingerprint") == fingerprint else {}
+    for split, idx, _ in plan:
+        shard = out / split / shard_name(idx)
+        legacy = pop_legacy_stats(shard) if shard.exists() else None
+        if legacy is not None:
+            timing.setdefault(f"{split}/{shard_name(idx)}", legacy)
+    return {k: v for k, v in timing.items() if (out / k).exists()}
+
+
+def write_timing(path: Path, fingerprint: str, timing: dict[str, Any], plan: list[tuple[str, int, range]],
+                 this_run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Totals over every timed shard, whichever run made it: a resumed or a no-op rerun gives the same totals.
+    A shard whose run was killed between its rename and this write stays untimed (counted, not guessed)."""
+    names = [f"{split}/{shard_name(idx)}" for split, idx, _ in plan]
+    timed = [timing[n] for n in names if n in timing]
+    tokens, seconds = sum(t.get("new_tokens", 0) for t in timed), round(sum(t.get("seconds", 0.0) for t in timed), 2)
+    metrics = {"fingerprint": fingerprint, "environment": environment(),
+               "generation": {"new_tokens": tokens, "seconds": seconds,
+                              "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+                              "untimed_shards": len(names) - len(timed)},
+               "shards": {n: timing[n] for n in names if n in timing}}
+    if this_run is not None:
+        metrics["this_run"] = this_run
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, metrics)
+    return metrics
 
 
 def content_hash(ds: datasets.Dataset) -> str:

@@ -27,11 +27,13 @@ log = logging.getLogger(__name__)
 
 
 def load_metrics(folder: Path) -> dict[str, dict[str, Any]]:
-    """The evaluate stages' metrics (train_*.json and online_*.json are read by reporting.training / .online)."""
+    """The evaluate stages' metrics: the files with `results` (train_*.json and online_*.json are read by
+    reporting.training / .online; generate.json holds the generate stage's timing)."""
     files = [f for f in sorted(folder.glob("*.json")) if not f.stem.startswith(("train_", "online_"))]
-    if not files:
+    found = {f.stem: m for f in files if "results" in (m := json.loads(f.read_text()))}
+    if not found:
         raise FileNotFoundError(f"no metrics in {folder}: run the evaluate stages first (`dvc repro`)")
-    return {f.stem: json.loads(f.read_text()) for f in files}
+    return found
 
 
 def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[str, Any],

@@ -223,6 +223,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     datamodule.setup("fit")
     common = dict(loss=loss, optimizer=optimizer, scheduler=scheduler, teacher=dist.teacher, tau_k=dist.tau_k,
                   max_k=dist.max_k)
+    # one seed for all the student draws from torch, numpy and random: a run's weights must not depend on
+    # what the process drew before (Medusa's residual biases drew from it; EAGLE's and the draft's
+    # builders reseed anyway, so their runs are unchanged)
+    pl.seed_everything(int(cfg.get("seed", 0)), workers=True, verbose=False)
     built = BUILDERS[name](mcfg, size, dcfg, cfg, target, datamodule, stops, pad_id, common)
     module = built.module
     stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size) if name == "draft" else None, "loss": asdict(lcfg), "distill": cfg["distill"],
