@@ -43,6 +43,18 @@ def test_clear_errors():
         load_target({"name_or_path": "/nonexistent/folder"})
 
 
+@pytest.mark.parametrize(("dtype", "native", "warned"), [("bfloat16", False, True), ("bfloat16", True, False),
+                                                       ("float32", False, False)])
+def test_emulated_bfloat16_is_named_at_load(tiny_target_dir, monkeypatch, caplog, dtype, native, warned):
+    """bf16 on a CPU without its kernels is correct but slow for multi-token forwards: say so, and the fix."""
+    from specdistill.models import target as target_mod
+
+    monkeypatch.setattr(target_mod, "cpu_has_native_bf16", lambda: native)
+    with caplog.at_level("WARNING", logger="specdistill.models.target"):
+        load_target({"name_or_path": str(tiny_target_dir), "dtype": dtype})
+    assert ("target.dtype=float32" in caplog.text) == warned
+
+
 @pytest.mark.slow
 def test_real_smollm2_target_generates():
     from specdistill.data.generation import GenerateConfig, generate_shard
