@@ -184,3 +184,32 @@ def test_a_continued_runs_curve_is_labelled_with_what_came_before():
     assert curve_label("scratch", {"settings": {"method": {}}}) == "scratch"
     assert curve_label("old", {"settings": {"method": method}}) == "old (continued)"  # recorded before lineage
     assert curve_label("c", {"settings": {"method": method, "lineage": lineage}}) == "c (after 3600 steps)"
+
+
+def test_report_names_the_cpu_kind_and_flags_runs_from_different_machines(tmp_path, monkeypatch):
+    """On a CPU the kind sets a speed-up's size (AVX2 emulates bf16: verification costs several steps more),
+    so the header names it and runs measured on different kinds are flagged."""
+    (tmp_path / "metrics").mkdir()
+    amx = metrics("eagle", [0.8, 0.5], 2.1)
+    amx["settings"].update(device="Intel Xeon", cpu={"capability": "AVX512", "native_bf16": True})
+    (tmp_path / "metrics/eagle.json").write_text(json.dumps(amx))
+    text = render(tmp_path, monkeypatch)
+    assert "threads on Intel Xeon (AVX512, bf16 native)" in text and "more than one machine" not in text
+    avx2 = metrics("lookup", [0.5, 0.5], 1.4)
+    avx2["settings"].update(device="AMD EPYC", cpu={"capability": "AVX2", "native_bf16": False})
+    (tmp_path / "metrics/lookup.json").write_text(json.dumps(avx2))
+    text = render(tmp_path, monkeypatch)
+    assert "Measured on more than one machine (AMD EPYC (AVX2, bf16 emulated); Intel Xeon (AVX512, bf16 native))" in text
+
+
+def test_environment_names_the_cpu_and_its_kind(monkeypatch):
+    from pathlib import Path
+
+    from specdistill.stages import common
+
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "processor\t: 0\nmodel name\t: Test CPU 9000\n"
+                        if str(self) == "/proc/cpuinfo" else real_read(self, *a, **k))
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    env = common.environment()
+    assert env["device"] == "Test CPU 9000" and set(env["cpu"]) == {"capability", "native_bf16"}

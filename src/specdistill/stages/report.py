@@ -57,6 +57,14 @@ def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[st
     return lines
 
 
+def machine(settings: dict[str, Any]) -> str:
+    """The device a run names, with the CPU's vector capability and bf16 kernels where it recorded them."""
+    cpu = settings.get("cpu")
+    if not cpu:  # written before the CPU kind was recorded, or a GPU run
+        return str(settings.get("device"))
+    return f"{settings.get('device')} ({cpu.get('capability')}, bf16 {'native' if cpu.get('native_bf16') else 'emulated'})"
+
+
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
            online: list[str] | None = None) -> str:
     any_m = next(iter(all_metrics.values()))
@@ -68,7 +76,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "Written by the `report` stage from the metrics files the train and evaluate stages wrote (`dvc repro`); "
              "no number in it is typed by hand.",
              f"Target {s.get('target_fingerprint', '?')[:23]}…, {s.get('dtype')}, torch {s.get('torch')}, "
-             f"transformers {s.get('transformers')}, {s.get('threads')} threads on {s.get('device')}; "
+             f"transformers {s.get('transformers')}, {s.get('threads')} threads on {machine(s)}; "
              f"{s.get('prompts')} prompts per dataset ({order}), max_new_tokens "
              f"{s.get('max_new_tokens')}, K = {s.get('k')}, {s.get('chain_or_tree')}.", "",
              "Speed-up is tokens/s over our AR loop on the same prompts in the same process (methods interleaved);",
@@ -76,6 +84,10 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "several positions rounds differently from a one-token step, so where the top two logits tie to within",
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
              "float32 none happens); tokens/s, not wall time, is therefore the ratio.", ""]
+    machines = sorted({machine(m["settings"]) for m in all_metrics.values()})
+    if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
+        lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
+                  "its own run, but compare speed-ups across runs only on the same kind of machine.", ""]
     dev = sorted(n for n, m in all_metrics.items() if m["settings"].get("split", "test") != "test")
     if dev and len(dev) < len(all_metrics):  # tuned-on prompts beside reported ones would not compare
         lines += [f"**Not comparable: {', '.join(dev)} ran on the dev prompts (`eval.split=dev`), the others on the "
