@@ -120,6 +120,8 @@ def test_identical_runs_write_identical_bytes(workdir, tiny_target_dir):
     assert len(timing["shards"]) == 6 and timing["generation"]["new_tokens"] == sum(
         c["response_tokens"] for c in second["counts"].values())
     assert timing["generation"]["tokens_per_s"] > 0 and "environment" in timing
+    manifest = json.loads((workdir / "generated/manifest.json").read_text())
+    assert manifest["timing"] == str(workdir / "metrics/generate.json") and "generation" not in manifest
 
 
 def test_timing_inside_an_older_shard_moves_to_metrics(workdir, tiny_target_dir):

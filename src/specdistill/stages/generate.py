@@ -98,6 +98,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             "fingerprint": fingerprint,
             "counts": counts,
             "columns": ["id", "input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if gcfg.topk_logprobs else []),
+            # tokens/s lives there, not here: timing would give identical data a new DVC hash on every rerun
+            "timing": str(timing_file),
         }
         write_json(out / "manifest.json", manifest)
         this_run = {"shards": len(todo), "new_tokens": new_tokens, "seconds": round(elapsed, 2)}
