@@ -47,9 +47,9 @@ def test_clear_errors():
                                                        ("float32", False, False)])
 def test_emulated_bfloat16_is_named_at_load(tiny_target_dir, monkeypatch, caplog, dtype, native, warned):
     """bf16 on a CPU without its kernels is correct but slow for multi-token forwards: say so, and the fix."""
-    from specdistill.models import target as target_mod
+    from specdistill import hardware
 
-    monkeypatch.setattr(target_mod, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
     with caplog.at_level("WARNING", logger="specdistill.models.target"):
         load_target({"name_or_path": str(tiny_target_dir), "dtype": dtype})
     assert ("target.dtype=float32" in caplog.text) == warned

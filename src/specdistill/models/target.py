@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from specdistill import hardware
 from specdistill.io import sha256_file
 from specdistill.models.hidden import HiddenLayerError, HiddenTap
 
@@ -26,18 +27,8 @@ class TargetError(RuntimeError):
     """The target cannot be loaded as configured."""
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN has bfloat16 kernels on this CPU (AVX512 / AMX on x86). Without them PyTorch emulates
-    bf16 matmuls: a one-token decode step still gains from the halved weights, but every multi-token forward
-    (generate's batches, prefill, a draft tree's verification) runs several times slower than float32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: assume the hardware does (no warning)
-        return True
-
-
 def warn_if_emulated_bf16(cfg: TargetConfig) -> None:
-    if cfg.dtype == "bfloat16" and str(cfg.device).startswith("cpu") and not cpu_has_native_bf16():
+    if cfg.dtype == "bfloat16" and str(cfg.device).startswith("cpu") and not hardware.cpu_has_native_bf16():
         log.warning("target.dtype=bfloat16 on a CPU without native bfloat16 (%s): multi-token forwards (batched "
                     "generation, prefill, verifying a draft tree) run several times slower than in float32 (a "
                     "2-core AVX2 EPYC: 8-node verification 206 ms against 142, 4.6 plain steps against 1.9). "

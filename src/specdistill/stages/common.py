@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from specdistill import hardware
+
 T = TypeVar("T")
 
 
@@ -35,32 +37,19 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows ("x86_64" at worst)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment() -> dict[str, Any]:
     """What a measurement ran on. On a CPU the kind matters as much as the versions: without bf16 kernels
     (AVX2) a draft tree's verification costs several times more plain steps than with AMX, so a speed-up
     only compares with one measured on the same kind."""
     import transformers
 
-    from specdistill.models.target import cpu_has_native_bf16
-
     cuda = torch.cuda.is_available()
     env: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version(),
-                           "device": torch.cuda.get_device_name(0) if cuda else cpu_name(),
+                           "device": torch.cuda.get_device_name(0) if cuda else hardware.cpu_name(),
                            "threads": torch.get_num_threads()}
     if not cuda:
-        env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16()}
+        env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": hardware.cpu_has_native_bf16()}
     return env
 
 
