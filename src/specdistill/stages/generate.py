@@ -56,7 +56,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     plan = [(s, i, range(i * gcfg.shard_size, min((i + 1) * gcfg.shard_size, len(d))))
             for s, d in splits.items() for i in range((len(d) + gcfg.shard_size - 1) // gcfg.shard_size)]
     todo = [p for p in plan if not (out / p[0] / shard_name(p[1])).exists()]
-    timing = kept_timing(timing_file, fingerprint, out, plan)
+    timing, env = kept_timing(timing_file, fingerprint, out, plan), environment()  # env: once, not per shard
     log.info("%d shard(s) planned, %d already whole, %d to generate", len(plan), len(plan) - len(todo), len(todo))
 
     group = cfg.get("experiment_name", "default")
@@ -80,7 +80,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             write_shard(cols, out / split / shard_name(idx))
             timing[f"{split}/{shard_name(idx)}"] = {"new_tokens": new_tokens - before,
                                                     "seconds": round(time.perf_counter() - t_shard, 3)}
-            write_timing(timing_file, fingerprint, timing, plan)
+            write_timing(timing_file, fingerprint, timing, plan, env)
         bar.close()
         elapsed = time.perf_counter() - t0
 
@@ -103,7 +103,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         }
         write_json(out / "manifest.json", manifest)
         this_run = {"shards": len(todo), "new_tokens": new_tokens, "seconds": round(elapsed, 2)}
-        metrics = write_timing(timing_file, fingerprint, timing, plan, this_run)
+        metrics = write_timing(timing_file, fingerprint, timing, plan, env, this_run)
         manifest = {**manifest, "generation": metrics["generation"], "this_run": this_run}
         run_.summary.update({f"generate/{s}_{k}": v for s, c in counts.items() for k, v in c.items()})
     log.info("generated %d new tokens in %.1f s (%.1f tokens/s); totals %s", new_tokens, elapsed,
@@ -125,13 +125,13 @@ def kept_timing(path: Path, fingerprint: str, out: Path, plan: list[tuple[str, i
 
 
 def write_timing(path: Path, fingerprint: str, timing: dict[str, Any], plan: list[tuple[str, int, range]],
-                 this_run: dict[str, Any] | None = None) -> dict[str, Any]:
+                 env: dict[str, Any], this_run: dict[str, Any] | None = None) -> dict[str, Any]:
     """Totals over every timed shard, whichever run made it: a resumed or a no-op rerun gives the same totals.
     A shard whose run was killed between its rename and this write stays untimed (counted, not guessed)."""
     names = [f"{split}/{shard_name(idx)}" for split, idx, _ in plan]
     timed = [timing[n] for n in names if n in timing]
     tokens, seconds = sum(t.get("new_tokens", 0) for t in timed), round(sum(t.get("seconds", 0.0) for t in timed), 2)
-    metrics = {"fingerprint": fingerprint, "environment": environment(),
+    metrics = {"fingerprint": fingerprint, "environment": env,
                "generation": {"new_tokens": tokens, "seconds": seconds,
                               "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
                               "untimed_shards": len(names) - len(timed)},
