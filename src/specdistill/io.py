@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from specdistill.outputs import check_replaceable, mark
+
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
@@ -36,8 +38,14 @@ UMASK = _read_umask()
 
 @contextlib.contextmanager
 def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside `final`; rename it to `final` only if the block succeeds."""
+    """Yield a temporary path beside `final`; rename it to `final` only if the block succeeds.
+
+    A folder gets the stage's marker (`outputs.MARKER`) and replaces an existing `final` only if that one carries
+    the marker too (or is empty): a stage never deletes a folder it did not write, whatever a config value names.
+    """
     final = Path(final)
+    if is_dir and (final.exists() or final.is_symlink()):
+        check_replaceable(final, str(final))  # before the work, too: nothing is computed for an output refused
     final.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{final.name}.tmp-"
     if is_dir:
@@ -50,9 +58,11 @@ def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
         # mkstemp/mkdtemp create 0600/0700 (private temporaries); a final output gets what open() would
         # give it under the user's umask, so the group can read metrics and reports on a shared cluster
         tmp.chmod((0o777 if is_dir else 0o666) & ~UMASK)
+        if is_dir:
+            mark(tmp)
         yield tmp
-        if is_dir and final.exists():
-            shutil.rmtree(final)
+        if is_dir and (final.exists() or final.is_symlink()):
+            shutil.rmtree(check_replaceable(final, str(final)))  # again: it may have appeared meanwhile
         os.replace(tmp, final)
     except BaseException:
         if tmp.is_dir():

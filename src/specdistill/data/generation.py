@@ -25,6 +25,7 @@ import torch
 
 from specdistill.io import config_hash, has_stamp, remove_stale_temporaries, save_dataset
 from specdistill.models.kv_cache import PreallocatedCache
+from specdistill.outputs import check_replaceable
 from specdistill.sampling import sample_logits
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,9 @@ def shard_name(i: int) -> str:
 
 def prepare_output(out_dir: Path, fingerprint: str) -> None:
     """Keep shards written under the same fingerprint (resume); wipe them if the config changed."""
-    if out_dir.exists() and not has_stamp(out_dir, fingerprint):
+    if (out_dir.exists() or out_dir.is_symlink()) and not has_stamp(out_dir, fingerprint):
+        # only a folder this stage wrote (its FINGERPRINT) is wiped; any other is refused, never deleted
+        check_replaceable(out_dir, "paths.generated_dir", markers=("FINGERPRINT",))
         if any(out_dir.iterdir()):
             log.warning("%s holds shards of another configuration: regenerating from scratch", out_dir)
         shutil.rmtree(out_dir)

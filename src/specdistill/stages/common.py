@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 
 from specdistill import hardware
+from specdistill.outputs import MARKER, check_paths, check_replaceable, plain_name
 
 T = TypeVar("T")
 
@@ -29,6 +30,22 @@ def section(cls: type[T], values: dict[str, Any], where: str, **extra: Any) -> T
         return cls(**{**values, **extra})
     except TypeError as e:
         raise ConfigError(f"`{where}`: {e}") from e
+
+
+def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
+                  replaced: dict[str, Path] | None = None, fingerprinted: dict[str, Path] | None = None) -> None:
+    """At a stage's start, before any model loads: the names that become paths are plain names, no `paths.*`
+    folder is the project or above it, and every folder the stage will replace whole is one a stage wrote
+    (`replaced`: the marker of `io.atomic_path`; `fingerprinted`: a resumable output's FINGERPRINT).
+    Keys are the config keys to name in the error."""
+    plain_name(cfg.get("experiment_name", "default"), "experiment_name")
+    for key, value in (names or {}).items():
+        plain_name(value, key)
+    check_paths(cfg.get("paths") or {})
+    for key, folder in (replaced or {}).items():
+        check_replaceable(folder, key, (MARKER,))
+    for key, folder in (fingerprinted or {}).items():
+        check_replaceable(folder, key, ("FINGERPRINT",))
 
 
 def setup_logging() -> None:

@@ -26,7 +26,7 @@ from specdistill.models.eagle import load_eagle
 from specdistill.models.heads_io import parameter_bytes, read_settings
 from specdistill.models.medusa import load_medusa, load_trees
 from specdistill.models.target import TargetConfig, load_target
-from specdistill.stages.common import ConfigError, environment, load_prompts, section
+from specdistill.stages.common import ConfigError, check_outputs, environment, load_prompts, section
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,9 @@ def chat_encoder(tok: Any) -> Callable[[list[dict[str, str]]], list[int]]:
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ecfg = section(EvalConfig, dict(cfg["eval"]), "eval")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    name = ecfg.name or ecfg.method
+    check_outputs(cfg, names={"eval.name": name},
+                  replaced={"eval.name": Path((cfg.get("paths") or {}).get("plots_dir", "plots")) / name})
     # the prompts first: a missing split or an overlapping dev set fails before the target loads
     data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
             for name in ecfg.datasets}
@@ -230,7 +233,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     settings = {"method": ecfg.method, **asdict(ecfg), **draft_info, "chain_or_tree": "tree" if ecfg.tree else "chain",
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
-    name = ecfg.name or ecfg.method
     with wandb_run(cfg.get("logger"), job_type=f"evaluate-{name}", group=group, config=cfg) as wb:
         res = run_benchmark(methods, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
         metrics = summarise(res, ecfg.method, settings)

@@ -23,7 +23,7 @@ from specdistill.data.generation import prepare_output
 from specdistill.io import write_json
 from specdistill.models.eagle import default_feature_layers
 from specdistill.models.target import TargetConfig, load_target
-from specdistill.stages.common import environment, section
+from specdistill.stages.common import check_outputs, environment, section
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     dcfg = section(DataConfig, dict(cfg["distill"]["data"]), "distill.data")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     generated, out = Path(cfg["paths"]["generated_dir"]), Path(cfg["paths"]["features_dir"])
+    check_outputs(cfg)
     stamp = generated / "FINGERPRINT"
     if not stamp.exists():
         raise DataError(f"no generated data at {generated}: run the generate stage first (dvc repro generate)")

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from specdistill.assets import AssetsConfig, fetch_all, parse_assets
-from specdistill.stages.common import section
+from specdistill.stages.common import check_outputs, section
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     acfg = section(AssetsConfig, dict(cfg["assets"]), "assets")
+    check_outputs(cfg)
     with wandb_run(cfg.get("logger"), job_type="fetch_assets", group=cfg.get("experiment_name", "default"),
                    config=cfg) as run_:
         record = fetch_all(parse_assets(acfg.items), acfg.dir, acfg.pip_args)

@@ -30,7 +30,7 @@ from specdistill.data.generation import (
 )
 from specdistill.io import write_json
 from specdistill.models.target import TargetConfig, load_target
-from specdistill.stages.common import environment, section
+from specdistill.stages.common import check_outputs, environment, section
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     prompts_dir, out = Path(cfg["paths"]["prompts_dir"]), Path(cfg["paths"]["generated_dir"])
     timing_file = Path(cfg["paths"]["metrics_dir"]) / "generate.json"
+    check_outputs(cfg, fingerprinted={"paths.generated_dir": out})
     splits = {}
     for split in gcfg.splits:
         if not (prompts_dir / split).exists():

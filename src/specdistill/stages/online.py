@@ -26,7 +26,7 @@ from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
-from specdistill.stages.common import ConfigError, environment, load_prompts, section
+from specdistill.stages.common import ConfigError, check_outputs, environment, load_prompts, section
 from specdistill.tracking import wandb_run
 from specdistill.training.losses import LossError, build_loss
 
@@ -122,6 +122,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"online.loss={ocfg.loss}: the separate draft learns from the target's stored top-k at the "
                           f"judged positions; use one of {STORED_TEACHER_LOSSES}")
     models_dir = Path(cfg["paths"].get("models_dir", "models"))
+    check_outputs(cfg, names={"online.method": ocfg.method},
+                  replaced={"online.method": models_dir / f"online_{ocfg.method}",
+                            "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"})
     path = ocfg.draft_path or str(models_dir / ocfg.method)
     if not Path(path).exists():
         raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` or set online.draft_path")

@@ -19,7 +19,7 @@ from specdistill.data.prompts import (
 )
 from specdistill.io import save_dataset, write_json
 from specdistill.models.target import TargetConfig, load_tokenizer
-from specdistill.stages.common import section
+from specdistill.stages.common import check_outputs, section
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     src = section(SourceConfig, dict(dcfg.pop("source")), "data.source")
     pcfg = section(PrepareConfig, dcfg, "data", source=src)
     out = Path(cfg["paths"]["prompts_dir"])
+    check_outputs(cfg)
     tokenizer = load_tokenizer(section(TargetConfig, dict(cfg["target"]), "target"))
     with wandb_run(cfg.get("logger"), job_type="prepare", group=cfg.get("experiment_name", "default"),
                    config=cfg) as run_:

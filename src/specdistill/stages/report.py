@@ -21,6 +21,7 @@ from specdistill.reporting.training import (
     sweep_table,
     training_table,
 )
+from specdistill.stages.common import check_outputs
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     metrics_dir, out = Path(cfg["paths"].get("metrics_dir", "metrics")), Path(cfg["paths"].get("reports_dir", "reports"))
+    check_outputs(cfg, replaced={"paths.reports_dir": out})
     all_metrics = load_metrics(metrics_dir)
     runs, sweep = load_training(metrics_dir)
     plots_dir = Path(cfg["paths"].get("plots_dir", "plots"))

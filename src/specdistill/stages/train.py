@@ -38,7 +38,8 @@ from specdistill.models.draft_lm import (
 )
 from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
-from specdistill.stages.common import ConfigError, environment, section
+from specdistill.outputs import check_replaceable
+from specdistill.stages.common import ConfigError, check_outputs, environment, section
 from specdistill.training.base import MethodConfigBase
 from specdistill.training.eagle import EagleMethodConfig
 from specdistill.training.losses import LossError, build_loss
@@ -137,7 +138,8 @@ class CheckpointDir(Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if trainer.is_global_zero:
-            if self.ckpt_dir.exists() and not has_stamp(self.ckpt_dir, self.stamp):
+            if (self.ckpt_dir.exists() or self.ckpt_dir.is_symlink()) and not has_stamp(self.ckpt_dir, self.stamp):
+                check_replaceable(self.ckpt_dir, "distill.output", markers=("FINGERPRINT",))  # ours, or refused
                 log.warning("%s holds checkpoints of another configuration: starting afresh", self.ckpt_dir)
                 shutil.rmtree(self.ckpt_dir)
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -203,7 +205,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
     trainer_kwargs = {**dict(cfg["trainer"]), **(mcfg.trainer or {})}  # methods.<m>.trainer wins (every method has one)
     label = {"draft": lambda: size.name, "medusa": lambda: f"k{mcfg.num_heads}"}.get(name, lambda: mcfg.variant)()
+    check_outputs(cfg, names={"distill.output": dist.output or name, "loss.name": lcfg.name, "draft.name": label})
     plan = plan_outputs(cfg, name, label, lcfg.name, dist.output)
+    check_outputs(cfg, replaced={"distill.output": plan.model_dir,
+                                 **({"paths.plots_dir": plan.plots_dir} if plan.plots_dir else {})},
+                  fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir})
     generated = Path(cfg["paths"]["generated_dir"])
     data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
 

@@ -1,0 +1,152 @@
+"""No config value deletes what a stage did not write (issue: hardening, item 1).
+
+Each value that once deleted the checkout runs here against a temporary copy of the project, through the real
+config and the real stage: it must be refused at start, with the key named, and leave every file (`.git` and
+`data/` included) byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from specdistill.io import atomic_path
+from specdistill.outputs import MARKER, OutputError, check_paths, check_replaceable, plain_name
+
+from .conftest import ROOT
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def checkout(tmp_path: Path, monkeypatch) -> Path:
+    """A copy of the project's tracked files, with a `.git`, data and outputs of its own, as the cwd."""
+    proj = tmp_path / "a" / "b" / "proj"  # two levels below tmp_path: `../../escaped` must not reach them
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file() and not f.startswith(("reports/", "plots/", "metrics/")):
+            (proj / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, proj / f)
+    for f, text in {".git/HEAD": "ref: refs/heads/main\n", "data/prompts/train/data.arrow": "prompts",
+                    "data/assets/target/model.gguf": "weights", "models/eagle/model.safetensors": "eagle",
+                    "metrics/eagle.json": "{}", "checkpoints/draft/last.ckpt": "ckpt"}.items():
+        (proj / f).parent.mkdir(parents=True, exist_ok=True)
+        (proj / f).write_text(text)
+    monkeypatch.chdir(proj)
+    return proj
+
+
+def composed(proj: Path, *overrides: str) -> dict:
+    with initialize_config_dir(str(proj / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["logger=none", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _stage(name: str):
+    from importlib import import_module
+
+    return import_module(f"specdistill.stages.{name}").run
+
+
+DELETING = [  # (stage, overrides, the key the error must name): each of these once emptied the checkout
+    ("evaluate", ["eval.name=.."], "eval.name"),
+    ("evaluate", ["eval.name=../../escaped"], "eval.name"),
+    ("train", ["method=draft", "distill.output=.."], "distill.output"),
+    ("report", ["paths.reports_dir=."], "paths.reports_dir"),
+    ("report", ["experiment_name=.."], "experiment_name"),
+    ("generate", ["paths.generated_dir=data"], "paths.generated_dir"),  # would hold (and wipe) data/prompts
+    ("generate", ["paths.generated_dir=models"], "paths.generated_dir"),  # exists, not ours: no FINGERPRINT
+    ("train", ["method=draft", "paths.checkpoints_dir=data", "distill.output=prompts"], "paths.checkpoints_dir"),
+    ("evaluate", ["paths.plots_dir=data", "eval.name=prompts"], "eval.name"),  # data/prompts: not a plots folder
+    ("online", ["paths.models_dir=/"], "paths.models_dir"),
+]
+
+
+@pytest.mark.parametrize("stage,overrides,key", DELETING, ids=[" ".join(o) for _, o, _ in DELETING])
+def test_a_deleting_value_is_refused_at_start_and_the_checkout_is_untouched(checkout, stage, overrides, key):
+    outside = checkout.parents[2]
+    before, before_outside = snapshot(checkout), snapshot(outside)
+    cfg = composed(checkout, *overrides)
+    with pytest.raises(OutputError, match=f"`{key}"):
+        _stage(stage)(cfg)
+    assert snapshot(checkout) == before
+    assert snapshot(outside) == before_outside  # nothing written above the project either
+
+
+def test_the_front_door_refuses_before_it_loads_anything(checkout):
+    before = snapshot(checkout)
+    res = subprocess.run([sys.executable, "pipelines/report.py", "paths.reports_dir=.", "logger=none"],
+                         cwd=checkout, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert res.returncode != 0 and "OutputError" in res.stderr and "paths.reports_dir=." in res.stderr
+    after = snapshot(checkout)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert all(k.startswith(("outputs/", "__pycache__/")) or "/__pycache__/" in k for k in set(after) - set(before))
+
+
+@pytest.mark.parametrize("value", ["..", ".", "../x", "a/b", "", ".hidden", "/abs", None, 3])
+def test_names_that_become_paths_are_plain(value):
+    with pytest.raises(OutputError, match="plain name"):
+        plain_name(value, "eval.name")
+
+
+@pytest.mark.parametrize("value", ["eagle", "eagle_lookup", "draft-xs-fkl", "lr=1e-3,bs=8", "v1.2"])
+def test_plain_names_pass(value):
+    assert plain_name(value, "eval.name") == value
+
+
+def test_paths_that_hold_the_project_or_another_output_are_refused(tmp_path):
+    ok = {"prompts_dir": "data/prompts", "generated_dir": "data/generated", "reports_dir": "reports/x",
+          "wandb_dir": "."}  # W&B writes its own wandb/ below wandb_dir
+    check_paths(ok, root=tmp_path)
+    check_paths({**ok, "generated_dir": str(tmp_path.parent / "elsewhere")}, root=tmp_path)  # outside: fine
+    for bad in ({"reports_dir": "."}, {"models_dir": ".."}, {"metrics_dir": str(tmp_path)},
+                {"generated_dir": "data"}, {"reports_dir": "data/prompts/.."}):
+        with pytest.raises(OutputError):
+            check_paths({**ok, **bad}, root=tmp_path)
+
+
+def test_a_stage_replaces_only_folders_it_wrote(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with atomic_path("out", is_dir=True) as tmp:
+        (tmp / "a").write_text("1")
+    assert (tmp_path / "out" / MARKER).is_file()
+    with atomic_path("out", is_dir=True) as tmp:  # its own: replaced whole
+        (tmp / "b").write_text("2")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [MARKER, "b"]
+    (tmp_path / "mine" / "sub").mkdir(parents=True)
+    (tmp_path / "mine" / "sub" / "keep.txt").write_text("user's")
+    with pytest.raises(OutputError, match="not written by this stage"):
+        with atomic_path("mine", is_dir=True) as tmp:
+            raise AssertionError("refused before the work starts")
+    assert (tmp_path / "mine" / "sub" / "keep.txt").read_text() == "user's"
+    assert not list(tmp_path.glob(".mine.tmp-*"))
+    (tmp_path / "empty").mkdir()
+    with atomic_path("empty", is_dir=True) as tmp:  # an empty folder holds nothing to lose
+        (tmp / "c").write_text("3")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OutputError, match="not a folder"):
+        check_replaceable(tmp_path / "afile", "eval.name")
+    os.symlink(tmp_path / "mine", tmp_path / "link")  # a link to a folder of the user's: never followed
+    with pytest.raises(OutputError):
+        check_replaceable(tmp_path / "link", "eval.name")
+
+
+def test_a_folder_that_appears_while_the_stage_runs_is_not_deleted(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputError):
+        with atomic_path("late", is_dir=True) as tmp:
+            (tmp / "a").write_text("1")
+            (tmp_path / "late").mkdir()
+            (tmp_path / "late" / "user.txt").write_text("keep")
+    assert (tmp_path / "late" / "user.txt").read_text() == "keep"
