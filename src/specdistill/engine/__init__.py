@@ -1,0 +1,1 @@
+"""The serving engine (vLLM) as its own process: environment, jobs, results."""

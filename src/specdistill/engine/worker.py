@@ -1,0 +1,118 @@
+"""Runs INSIDE the engine's virtualenv (`.venv-engine`): vLLM serves one target (+ draft) for a list of runs.
+
+Started by `specdistill.engine.client` as its own process, as users deploy the engine; it imports vllm and
+nothing of specdistill (whose environment pins another transformers). It reads a job (JSON), starts the offline
+engine once, then for each run feeds its prompts through a bounded client: at most `concurrency` requests in
+flight, a new one added as one finishes, each request's latency from its submission to its last token. The
+engine's own speculative counters (`vllm:spec_decode_*`) are read before and after each run, so a run's
+acceptance is its own. The result (tokens, timings, counters) goes to a JSON file; progress goes to stderr.
+
+    python worker.py JOB.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """The engine's cumulative speculative counters now (zeros before its first draft)."""
+    out: dict[str, Any] = {name: 0 for name in COUNTERS}
+    out[PER_POS] = []
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            out[m.name] += int(m.value)
+        elif m.name == PER_POS:
+            vals = [int(v) for v in m.values]
+            prev = out[PER_POS]
+            out[PER_POS] = [a + b for a, b in zip(prev + [0] * (len(vals) - len(prev)), vals, strict=True)]
+    return out
+
+
+def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    b = before[PER_POS] + [0] * (len(after[PER_POS]) - len(before[PER_POS]))
+    d[PER_POS] = [x - y for x, y in zip(after[PER_POS], b, strict=True)]
+    return d
+
+
+def run_bounded(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
+    """All of a run's prompts with at most `concurrency` in flight; outputs in prompt order."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    conc, prompts = int(run["concurrency"]), run["prompts"]
+    seed = run.get("seed")
+    pending = list(range(len(prompts)))
+    started: dict[str, float] = {}
+    results: list[dict[str, Any] | None] = [None] * len(prompts)
+    tag = run["name"]
+
+    def submit(i: int) -> None:
+        params = SamplingParams(temperature=float(run["temperature"]), top_p=float(run.get("top_p", 1.0)),
+                                max_tokens=int(run["max_tokens"]), ignore_eos=bool(run.get("ignore_eos", False)),
+                                seed=None if seed is None else int(seed) + i, stop_token_ids=run.get("stop_token_ids"))
+        rid = f"{tag}-{i}"
+        started[rid] = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": list(prompts[i])}, params)
+
+    t0 = time.perf_counter()
+    while pending and len(started) < conc:
+        submit(pending.pop(0))
+    done = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            i = int(out.request_id.rsplit("-", 1)[1])
+            results[i] = {"token_ids": list(out.outputs[0].token_ids),
+                          "latency_s": time.perf_counter() - started[out.request_id]}
+            done += 1
+            if pending:
+                submit(pending.pop(0))
+            print(f"[engine] {tag}: {done}/{len(prompts)} requests", file=sys.stderr, flush=True)
+    wall = time.perf_counter() - t0
+    return {"name": tag, "wall_s": wall, "requests": results,
+            "output_tokens": sum(len(r["token_ids"]) for r in results if r)}
+
+
+def main(job_path: str, result_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    import torch
+    import vllm
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    kwargs: dict[str, Any] = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+                                  max_model_len=int(job.get("max_model_len", 2048)),
+                                  max_num_seqs=max(int(r["concurrency"]) for r in job["runs"]),
+                                  disable_log_stats=False, generation_config="vllm", seed=int(job.get("seed", 0)),
+                                  skip_tokenizer_init=False)
+    if job.get("speculative_config"):
+        kwargs["speculative_config"] = job["speculative_config"]
+    llm = LLM(**kwargs)
+    cold_start = time.perf_counter() - t0
+    runs = []
+    for run in job["runs"]:
+        before = spec_counters(llm)
+        res = run_bounded(llm, run)
+        res["spec"] = delta(spec_counters(llm), before)
+        runs.append(res)
+    result = {"vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+              "cold_start_s": cold_start, "runs": runs}
+    tmp = Path(result_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(result_path)
+
+
+if __name__ == "__main__":  # the engine starts its workers with spawn: this guard is required
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2])

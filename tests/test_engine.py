@@ -1,0 +1,136 @@
+"""The real engine (vLLM, `.venv-engine`) serves what we export, and measures what our decoder measures.
+
+On a tiny random Llama (float32; 2 heads of 64, which the CPU engine's attention supports): the exported target
+and a head trained by the real train stage load in the engine; greedy output with speculation equals the engine
+without it, and both equal `transformers`' greedy; the engine's accepted tokens per draft position equal our
+decoder's on the same prompts with the same chain (K=3, T=0); the config is one speculators itself accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import datasets
+import pytest
+import torch
+
+from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.verifier import TargetVerifier
+from specdistill.engine.client import engine_python, run_engine
+from specdistill.export.eagle3 import export_eagle3
+from specdistill.export.target import export_target
+from specdistill.models.eagle import load_eagle
+from specdistill.stages import train as train_stage
+
+from .conftest import make_tokenizer
+from .test_train import composed, overrides
+
+pytestmark = pytest.mark.engine
+K, NEW = 3, 24
+
+
+def engine_target(vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # a sharp distribution: greedy ties are rare
+    return model
+
+
+def greedy(model, prompt: list[int], n: int = NEW) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=2, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, vocab, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The exported target, and an EAGLE-3 head trained on its own greedy answers by the train stage, exported."""
+    tmp = tmp_path_factory.mktemp("engine")
+    tok = make_tokenizer()
+    model = engine_target(len(tok))
+    target_dir = export_target(model, tok, tmp / "target", fingerprint="tiny-engine")
+    gen = tmp / "generated"
+    for split, n, seed in (("train", 96, 0), ("val", 16, 1)):
+        rows = prompts(n, seed, len(tok))
+        ids = [p + greedy(model, p, 16) for p in rows]
+        datasets.Dataset.from_dict({"id": [f"{split}-{i}" for i in range(n)], "input_ids": ids,
+                                    "prompt_len": [len(p) for p in rows]}).save_to_disk(str(gen / split / "shard-00000"))
+    (gen / "FINGERPRINT").write_text("tiny-engine\n")
+    cfg = composed(*overrides(tmp, target_dir, gen, "method=eagle", "loss=fkl", "methods.eagle.vocab_size=200",
+                              "methods.eagle.feature_layers=[1,2,3]", "methods.eagle.trainer={max_steps:240}",
+                              "trainer.val_check_interval=240", "distill.data.batch_size=8",
+                              "distill.optimizer.lr=3e-3"))
+    train_stage.run(cfg)
+    head = load_eagle(tmp / "models/eagle", model)
+    eagle_dir = export_eagle3(head, tmp / "export/eagle", target_dir, num_speculative_tokens=K)
+    return {"model": model, "head": head, "target": target_dir, "eagle": eagle_dir, "tmp": tmp}
+
+
+def ours_chain(model, head, prompt_list):
+    """Our decoder's tokens and accepted-prefix counts per position (the engine's definition) at T=0.
+
+    The engine drafts all K tokens in a request's last round and counts what the target accepts even past
+    max_tokens, where our loop shortens the last chain to what fits; so ours runs K + 1 tokens further and counts
+    the rounds that start before NEW tokens, the engine's rounds."""
+    proposer = EagleProposer(head, EagleTreeConfig(shape="chain", k=K), capacity=256)
+    verifier = TargetVerifier(model, capacity=256, feature_layers=proposer.feature_layers)
+    tokens, drafts, per_pos = [], 0, [0] * K
+    for p in prompt_list:
+        res = speculative_generate(verifier, proposer, p, NEW + K + 1, stops=set())
+        tokens.append(res.tokens[:NEW])
+        emitted = 1  # the prefill's token
+        for r in res.rounds:
+            if emitted >= NEW:
+                break
+            drafts += 1
+            for i in range(r.accepted):
+                per_pos[i] += 1
+            emitted += r.emitted
+    return tokens, drafts, per_pos
+
+
+def test_the_engine_accepts_our_speculators_config(served):
+    code = ("import sys; from speculators import SpeculatorModelConfig; c = SpeculatorModelConfig.from_pretrained(sys.argv[1]); "
+            "print(type(c).__name__, c.speculators_config.verifier.name_or_path, c.norm_before_residual, "
+            "c.eagle_aux_hidden_state_layer_ids, c.draft_vocab_size)")
+    out = subprocess.run([str(engine_python()), "-c", code, str(served["eagle"])], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["Eagle3SpeculatorConfig", str(served["target"]), "False", "[1,", "2,", "3]", "200"]
+
+
+def test_engine_greedy_and_acceptance_match_ours(served):
+    model, head = served["model"], served["head"]
+    plist = prompts(8, 7, model.config.vocab_size)
+    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
+             "prompts": plist}, {"name": "c4", "concurrency": 4, "temperature": 0.0, "max_tokens": NEW,
+                                  "ignore_eos": True, "prompts": plist}]
+    job = {"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs}
+    base = run_engine(job)
+    spec = run_engine({**job, "speculative_config": {"method": "eagle3", "model": str(served["eagle"]),
+                                                     "num_speculative_tokens": K}})
+    want = [greedy(model, p) for p in plist]
+    ours_tokens, drafts, per_pos = ours_chain(model, head, plist)
+    assert ours_tokens == want
+    for res in (base, spec):
+        for run in res["runs"]:
+            assert [r["token_ids"] for r in run["requests"]] == want, run["name"]
+    c1 = spec["runs"][0]["spec"]
+    engine_per_pos = c1["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    # the engine drafts K tokens per round exactly as our chain does: the same rounds, the same accepted prefixes
+    assert c1["vllm:spec_decode_num_drafts"] == drafts and engine_per_pos == per_pos, (c1, drafts, per_pos)
+    assert per_pos[0] / drafts > 0.2, "the trained head must accept something, or the comparison proves little"
+    assert json.loads((served["eagle"] / "config.json").read_text())["norm_before_residual"] is False

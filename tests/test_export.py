@@ -1,0 +1,86 @@
+"""Engine-ready exports without the engine: the target folder round-trips through `transformers`, the EAGLE-3
+speculators folder holds what vLLM reads, and a bad export is refused before any engine sees it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdistill.export.eagle3 import eagle3_state, export_eagle3
+from specdistill.export.target import ExportError, export_target, exported_fingerprint
+from specdistill.models.eagle import build_eagle
+
+from .conftest import make_model
+
+
+@pytest.fixture
+def exported(tmp_path, tiny_tokenizer):
+    model = make_model(len(tiny_tokenizer), layers=4)
+    return model, export_target(model, tiny_tokenizer, tmp_path / "target", fingerprint="fp-a")
+
+
+def test_the_target_folder_loads_in_transformers_with_the_same_logits(exported, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, folder = exported
+    again = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    assert torch.equal(model(ids).logits, again(ids).logits)
+    assert AutoTokenizer.from_pretrained(folder).chat_template == tiny_tokenizer.chat_template
+    assert exported_fingerprint(folder) == "fp-a"
+    assert all(oct(p.stat().st_mode & 0o777) == "0o644" for p in folder.iterdir() if p.is_file())  # others can serve it
+
+
+def test_eagle3_export_has_the_engine_fields_and_order(exported, tmp_path):
+    model, folder = exported
+    d2t = torch.tensor([7, 3, 100, 5, 64, 2])  # unsorted, as a frequency order gives it
+    head = build_eagle(model, "eagle3", [3, 1, 2], d2t=d2t, fingerprint="fp-a")
+    out = export_eagle3(head, tmp_path / "eagle", folder, num_speculative_tokens=4)
+    cfg = json.loads((out / "config.json").read_text())
+    assert "model_type" not in cfg and cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["norm_before_residual"] is False
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert cfg["transformer_layer_config"]["model_type"] == "llama" and cfg["draft_vocab_size"] == 6
+    state = load_file(str(out / "model.safetensors"))
+    assert not any(k.startswith(("midlayer.", "rotary.")) for k in state) and "layers.0.hidden_norm.weight" in state
+    target_ids = state["d2t"] + torch.arange(6)
+    assert target_ids.tolist() == sorted(d2t.tolist()) and int(state["t2d"].sum()) == 6
+    # the same distribution: row i of the exported head scores target id target_ids[i], as our row for that id did
+    ours = dict(zip(d2t.tolist(), head.lm_head.weight.detach(), strict=True))
+    assert all(torch.equal(state["lm_head.weight"][i], ours[t]) for i, t in enumerate(target_ids.tolist()))
+    # fc's blocks follow the ascending layer ids the engine concatenates: ours read [3, 1, 2]
+    h = model.config.hidden_size
+    fc = head.fc.weight.detach()
+    assert torch.equal(state["fc.weight"][:, :h], fc[:, h:2 * h]) and torch.equal(state["fc.weight"][:, 2 * h:], fc[:, :h])
+
+
+def test_full_vocabulary_head_writes_no_d2t(exported, tmp_path):
+    model, folder = exported
+    state, _ = eagle3_state(build_eagle(model, "eagle3", [1, 2, 3]))
+    assert "d2t" not in state and "t2d" not in state  # vLLM has no slot for them and would refuse the load
+
+
+def test_a_bad_export_is_refused_before_the_engine(exported, tmp_path, tiny_tokenizer):
+    model, folder = exported
+    head = build_eagle(model, "eagle3", [1, 2, 3], fingerprint="fp-a")
+    other = make_model(len(tiny_tokenizer) + 8, layers=4)  # another vocabulary
+    other_dir = export_target(other, tiny_tokenizer, tmp_path / "other", fingerprint="fp-b")
+    with pytest.raises(ExportError, match="vocab_size"):
+        export_eagle3(head, tmp_path / "e1", other_dir)
+    same_shape = export_target(make_model(len(tiny_tokenizer), seed=1, layers=4), tiny_tokenizer, tmp_path / "t2",
+                               fingerprint="fp-c")
+    with pytest.raises(ExportError, match="trained on target"):
+        export_eagle3(head, tmp_path / "e2", same_shape)
+    with pytest.raises(ExportError, match="no exported target"):
+        export_eagle3(head, tmp_path / "e3", tmp_path / "nowhere")
+    broken = build_eagle(model, "eagle3", [1, 2, 3], fingerprint="fp-a")
+    del broken.norm  # a head missing a tensor the engine needs
+    broken.norm = None
+    with pytest.raises(ExportError, match="lacks"):
+        export_eagle3(broken, tmp_path / "e4", folder)
+    with pytest.raises(ExportError, match="eagle3"):
+        export_eagle3(build_eagle(model, "eagle1", [4]), tmp_path / "e5", folder)
+    assert not any((tmp_path / f"e{i}").exists() for i in range(1, 6))
