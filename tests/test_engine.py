@@ -134,3 +134,35 @@ def test_engine_greedy_and_acceptance_match_ours(served):
     assert c1["vllm:spec_decode_num_drafts"] == drafts and engine_per_pos == per_pos, (c1, drafts, per_pos)
     assert per_pos[0] / drafts > 0.2, "the trained head must accept something, or the comparison proves little"
     assert json.loads((served["eagle"] / "config.json").read_text())["norm_before_residual"] is False
+
+
+@pytest.mark.parametrize("method", ["eagle", "ngram"])
+def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
+    """The stages end to end on the tiny target: export@target and export@eagle from the trained head, then
+    serve@<method> against the engine alone, with our decoder's acceptance beside the engine's."""
+    from specdistill.stages import export as export_stage
+    from specdistill.stages import serve as serve_stage
+
+    from .conftest import save_mtbench
+
+    save_mtbench(tmp_path / "prompts", turns=("Write a poem about the sea and the sky.", "Shorter."))
+    monkeypatch.chdir(tmp_path)
+    common = [f"paths.prompts_dir={tmp_path}/prompts", f"paths.models_dir={tmp_path}/models",
+              f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots", "logger=none",
+              "target=hf", f"target.name_or_path={served['target']}", "target.dtype=float32", "target.device=cpu"]
+    for what in ("target", "eagle") if method == "eagle" else ("target",):
+        export_stage.run(composed(*common, f"export.method={what}", f"export.eagle_path={served['tmp']}/models/eagle"))
+    m = serve_stage.run(composed(*common, f"serve.method={method}", "serve.k=[2]", "serve.agreement_k=2",
+                                 "serve.concurrency=[1,2]", "serve.temperatures=[0.0]", "serve.datasets=[mtbench]",
+                                 "serve.num_prompts=1", "serve.max_new_tokens=16",
+                                 f"serve.eagle_path={served['tmp']}/models/eagle"))
+    saved = json.loads((tmp_path / f"metrics/serve_{method}.json").read_text())
+    assert saved["settings"]["vllm"] == "0.32.0" and saved["settings"]["method"] == method
+    cell = saved["results"]["mtbench"]["T0.0"]["c1"]
+    assert cell["ar"]["tokens_per_s"] > 0 and cell["k2"]["speedup"] > 0 and cell["k2"]["drafts"] > 0
+    assert set(saved["chosen_k"]) == {"c1", "c2"} and saved["chosen_k"]["c1"]["k"] == 2
+    a = m["agreement"]["mtbench"]
+    if method == "eagle":  # float32, the same chain: the same counts (ngram differs by the proposers' match rules)
+        assert a["engine"]["accepted_per_pos"] == a["ours"]["accepted_per_pos"], a
+    assert (tmp_path / f"plots/serve_{method}/speedup.csv").exists()
+    assert (tmp_path / f"plots/serve_{method}/agreement.csv").read_text().count("\n") == 3

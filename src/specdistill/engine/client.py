@@ -89,7 +89,9 @@ def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: 
                 proc.kill()
                 raise EngineError(f"the engine did not finish within {timeout_s:.0f} s (log: {log_file})") from e
         if proc.returncode != 0 or not result_file.exists():
-            tail = "".join(log_file.read_text(errors="replace").splitlines(True)[-25:])
+            lines = log_file.read_text(errors="replace").splitlines(True)
+            errors = [ln for ln in lines if "Error" in ln and not ln.startswith(" ")]  # the exception, past any traceback
+            tail = "".join(lines[-25:] + (["...\n", errors[-1]] if errors and errors[-1] not in lines[-25:] else []))
             raise EngineError(f"the engine exited with code {proc.returncode} (log: {log_file}); its last lines:\n{tail}")
         result = json.loads(result_file.read_text())
     result["process_s"] = time.perf_counter() - t0

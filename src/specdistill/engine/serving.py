@@ -1,0 +1,138 @@
+"""What the serve stage asks the engine and how it reads the answers: jobs, and acceptance and speed from them.
+
+One engine start per setting of the engine (no speculation, then each K), each serving every dataset x
+temperature x concurrency run. Definitions are DESIGN.md's, from the engine's own counters: a "draft" is one
+round of K drafted tokens; `per_pos[i]` counts rounds whose first i+1 tokens were accepted, so alpha_pos{i+1} =
+per_pos[i] / per_pos[i-1] (conditional, as ours), tau = 1 + accepted / drafts (tokens per target forward), and
+the speed-up is output tokens/s against the engine without speculation on the same requests.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from specdistill.stages.common import ConfigError
+
+METHODS = ("eagle", "ngram")
+
+
+@dataclass
+class ServeConfig:
+    method: str
+    datasets: list[str]
+    num_prompts: int
+    split: str
+    max_new_tokens: int
+    temperatures: list[float]
+    concurrency: list[int]
+    k: list[int]
+    agreement_k: int
+    dtype: str | None
+    threads: str | None
+    iomp: bool
+    max_model_len: int | None
+    ngram_max: int
+    ngram_min: int
+    export_dir: str
+    eagle_path: str
+    timeout_s: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, key: str, value: Any, rule: str) -> None:
+            if not ok:
+                raise ConfigError(f"serve.{key}={value!r}: {rule}")
+
+        need(self.method in METHODS, "method", self.method, f"use one of {METHODS}")
+        need(bool(self.datasets) and set(self.datasets) <= {"mtbench", "humaneval"}, "datasets", self.datasets,
+             "a non-empty list of mtbench, humaneval")
+        need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 64),
+             "max_model_len", self.max_model_len, "an integer >= 64, or null (the target's context)")
+        for key in ("num_prompts", "max_new_tokens", "timeout_s"):
+            v = getattr(self, key)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, key, v, "an integer >= 1")
+        need(bool(self.temperatures) and all(isinstance(t, int | float) and 0 <= t <= 2 for t in self.temperatures),
+             "temperatures", self.temperatures, "a non-empty list of numbers in [0, 2]")
+        for key in ("concurrency", "k"):
+            v = getattr(self, key)
+            need(bool(v) and all(isinstance(x, int) and 1 <= x <= 256 for x in v), key, v,
+                 "a non-empty list of integers in [1, 256]")
+        need(self.agreement_k in self.k, "agreement_k", self.agreement_k, f"one of serve.k={self.k}")
+        need(1 <= self.ngram_min <= self.ngram_max, "ngram_min", self.ngram_min, "in [1, serve.ngram_max]")
+        need(self.dtype in (None, "float32", "bfloat16"), "dtype", self.dtype, "float32, bfloat16 or null")
+
+
+def prompt_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The requests of one run: the prompts in turn, at least twice the concurrency so the engine reaches it."""
+    n = max(len(prompts), 2 * concurrency)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def speculative_config(cfg: ServeConfig, k: int, draft_dir: str | None) -> dict[str, Any]:
+    if cfg.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": cfg.ngram_max,
+                "prompt_lookup_min": cfg.ngram_min}
+    return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
+
+
+def job(cfg: ServeConfig, target_dir: str, prompts: dict[str, list[list[int]]], stops: list[int], dtype: str,
+        spec: dict[str, Any] | None, max_model_len: int) -> dict[str, Any]:
+    runs = [{"name": f"{ds}|{t}|{c}", "concurrency": c, "temperature": t, "max_tokens": cfg.max_new_tokens,
+             "prompts": prompt_requests(p, c), "stop_token_ids": stops, "seed": cfg.seed}
+            for ds, p in prompts.items() for t in cfg.temperatures for c in cfg.concurrency]
+    return {"target": target_dir, "dtype": dtype, "max_model_len": max_model_len, "seed": cfg.seed,
+            "speculative_config": spec, "runs": runs}
+
+
+def acceptance(spec: dict[str, Any]) -> dict[str, Any]:
+    """tau and alpha per position from the engine's counters (None without drafts)."""
+    drafts = spec["vllm:spec_decode_num_drafts"]
+    per_pos = spec["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    if not drafts:
+        return {"drafts": 0}
+    out: dict[str, Any] = {"drafts": drafts, "accepted_per_pos": per_pos,
+                           "tau": round(1 + spec["vllm:spec_decode_num_accepted_tokens"] / drafts, 4)}
+    prev = drafts
+    for i, n in enumerate(per_pos):
+        out[f"alpha_pos{i + 1}"] = round(n / prev, 4) if prev else None
+        prev = n
+    return out
+
+
+def speed(run: dict[str, Any]) -> dict[str, Any]:
+    lat = sorted(r["latency_s"] for r in run["requests"])
+    return {"requests": len(lat), "output_tokens": run["output_tokens"], "wall_s": round(run["wall_s"], 3),
+            "tokens_per_s": round(run["output_tokens"] / run["wall_s"], 2),
+            "latency_p50_s": round(statistics.median(lat), 3),
+            "latency_p90_s": round(lat[min(len(lat) - 1, int(0.9 * len(lat)))], 3)}
+
+
+def summarise(cfg: ServeConfig, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """{dataset: {T: {c: {"ar": speed, "k<K>": speed + acceptance + speedup}}}} and the K chosen per concurrency.
+
+    `results` maps "ar" and "k<K>" to the engine's result for that start."""
+    table: dict[str, Any] = {}
+    for setting, res in results.items():
+        for run in res["runs"]:
+            ds, t, c = run["name"].split("|")
+            row = speed(run)
+            if setting != "ar":
+                row.update(acceptance(run["spec"]))
+            table.setdefault(ds, {}).setdefault(f"T{float(t)}", {}).setdefault(f"c{c}", {})[setting] = row
+    for ds in table.values():
+        for temps in ds.values():
+            for cell in temps.values():
+                ar = cell["ar"]["tokens_per_s"]
+                for setting, row in cell.items():
+                    if setting != "ar":
+                        row["speedup"] = round(row["tokens_per_s"] / ar, 4)
+    chosen = {}
+    for c in cfg.concurrency:  # the K with the best geometric-mean speed-up over datasets and temperatures
+        def score(k: int, c: int = c) -> float:
+            xs = [temps[f"c{c}"][f"k{k}"]["speedup"] for ds in table.values() for temps in ds.values()]
+            return statistics.geometric_mean(xs)
+        best = max(cfg.k, key=score)
+        chosen[f"c{c}"] = {"k": best, "speedup_geomean": round(score(best), 4)}
+    return {"results": table, "chosen_k": chosen}

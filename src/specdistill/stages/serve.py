@@ -1,0 +1,169 @@
+"""serve@<method>: the real engine (vLLM) serves the exported target with a draft, measures it, checks ours.
+
+The engine runs as its own process (`engine.client`), once without speculation (the AR baseline) and once per
+K in `serve.k`, each start serving every dataset x temperature x concurrency run on the evaluate stage's prompts
+(first turn). Writes `metrics/serve_<m>.json` (settings, cold starts, tokens/s, latency, acceptance, the speed-up
+over the engine alone, the K chosen per concurrency) and `plots/serve_<m>/` (speed-up against concurrency; the
+engine's acceptance per position beside our decoder's on the same prompts, same chain, K=agreement_k, T=0).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from specdistill.data.generation import stop_ids
+from specdistill.engine.client import engine_python, run_engine
+from specdistill.engine.serving import (
+    ServeConfig,
+    acceptance,
+    job,
+    prompt_requests,
+    speculative_config,
+    summarise,
+)
+from specdistill.export.target import ExportError, exported_fingerprint
+from specdistill.io import atomic_path, write_json
+from specdistill.models.target import TargetConfig, load_target, load_tokenizer
+from specdistill.stages.common import ConfigError, check_outputs, environment, section
+from specdistill.stages.evaluate import chat_encoder, load_conversations
+from specdistill.tracking import wandb_run
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    scfg = section(ServeConfig, dict(cfg["serve"]), "serve")
+    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    paths = cfg.get("paths") or {}
+    name = f"serve_{scfg.method}"
+    metrics_file, plots = Path(paths.get("metrics_dir", "metrics")) / f"{name}.json", Path(paths.get("plots_dir", "plots")) / name
+    check_outputs(cfg, replaced={"serve.method": plots})
+    target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / "eagle"
+    for need, stage in ((target_dir, "export@target"), *(((draft_dir, "export@eagle"),) if scfg.method == "eagle" else ())):
+        if not (need / "config.json").exists():
+            raise ExportError(f"serve@{scfg.method} needs {need}: run `dvc repro {stage}` first")
+    engine_python()  # no engine environment: a clear error now, not after the prompts load
+    context = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
+    if scfg.max_model_len is not None and scfg.max_model_len > context:
+        raise ConfigError(f"serve.max_model_len={scfg.max_model_len} exceeds the target's context ({context} positions): "
+                          f"lower it, or null for the target's own")
+    max_model_len = scfg.max_model_len or context
+    tok = load_tokenizer(tcfg)
+    encode = chat_encoder(tok)
+    prompts = {ds: [encode([{"role": "user", "content": c.turns[0]}])
+                    for c in load_conversations(Path(paths["prompts_dir"]), ds, scfg.num_prompts, scfg.split)]
+               for ds in scfg.datasets}
+    if too_long := [(ds, len(p)) for ds, ps in prompts.items() for p in ps if len(p) + scfg.max_new_tokens > max_model_len]:
+        raise ConfigError(f"{len(too_long)} prompt(s) + serve.max_new_tokens={scfg.max_new_tokens} exceed the engine's "
+                          f"context {max_model_len} (e.g. {too_long[0]}): lower serve.max_new_tokens or num_prompts")
+    stops = sorted(stop_ids(None, tok))
+    dtype = scfg.dtype or tcfg.dtype
+    engine_kw = dict(threads=scfg.threads, iomp=scfg.iomp, timeout_s=scfg.timeout_s)
+    results: dict[str, dict[str, Any]] = {}
+    for setting, spec in [("ar", None)] + [(f"k{k}", speculative_config(scfg, k, str(draft_dir))) for k in scfg.k]:
+        log.info("engine: %s (%s)", setting, spec or "no speculation")
+        results[setting] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, spec, max_model_len),
+                                       **engine_kw)
+        log.info("engine: %s cold start %.0f s", setting, results[setting]["cold_start_s"])
+    summary = summarise(scfg, results)
+    agreement = ours_beside_engine(scfg, tcfg, prompts, results) if 0.0 in map(float, scfg.temperatures) else {}
+    first = next(iter(results.values()))
+    metrics = {"settings": {**asdict(scfg), "engine": "vllm", "vllm": first["vllm"], "engine_torch": first["torch"],
+                            "engine_dtype": dtype, "target_fingerprint": exported_fingerprint(target_dir),
+                            "prompts": {ds: len(p) for ds, p in prompts.items()}, **environment()},
+               "cold_start_s": {s: round(r["cold_start_s"], 1) for s, r in results.items()},
+               **summary, "agreement": agreement}
+    write_json(metrics_file, metrics)
+    write_plots(plots, summary, agreement)
+    with wandb_run(cfg.get("logger"), job_type=name, group=cfg.get("experiment_name", "default"), config=cfg,
+                   name=f"{name}-{cfg.get('experiment_name', 'default')}") as wb:
+        for c, chosen in summary["chosen_k"].items():
+            wb.summary.update({f"serve/{c}/k": chosen["k"], f"serve/{c}/speedup": chosen["speedup_geomean"]})
+    for c, chosen in summary["chosen_k"].items():
+        log.info("%s at concurrency %s: K=%d, %.2fx the engine alone (geomean over datasets and temperatures)",
+                 scfg.method, c[1:], chosen["k"], chosen["speedup_geomean"])
+    return metrics
+
+
+def ours_beside_engine(scfg: ServeConfig, tcfg: TargetConfig, prompts: dict[str, list[list[int]]],
+                       results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Our decoder on the engine's concurrency-1 T=0 requests with the same chain (K = agreement_k), counted as the
+    engine counts: accepted prefixes per round, every round that starts before max_new_tokens (the engine drafts
+    all K in a request's last round, where our loop shortens the chain to what fits, so ours runs K + 1 further)."""
+    from specdistill.decoding.loop import speculative_generate
+    from specdistill.decoding.verifier import TargetVerifier
+    k = scfg.agreement_k
+    target = load_target(tcfg)
+    stops = stop_ids(target.model, target.tokenizer)
+    if scfg.method == "eagle":
+        from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+        from specdistill.models.eagle import load_eagle
+
+        head = load_eagle(scfg.eagle_path, target.model, dtype=target.model.dtype, target_fingerprint=target.fingerprint)
+        proposer: Any = EagleProposer(head, EagleTreeConfig(shape="chain", k=k))
+    else:
+        from specdistill.decoding.proposers import PromptLookupProposer
+
+        proposer = PromptLookupProposer(k, scfg.ngram_max, scfg.ngram_min, 1)
+    verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
+    out: dict[str, Any] = {}
+    c1 = min(scfg.concurrency)
+    for ds, plist in prompts.items():
+        run = next(r for r in results[f"k{k}"]["runs"]
+                   if r["name"].split("|")[0] == ds and float(r["name"].split("|")[1]) == 0.0
+                   and int(r["name"].split("|")[2]) == c1)
+        engine = acceptance(run["spec"])
+        drafts, per_pos, accepted = 0, [0] * k, 0
+        for p in prompt_requests(plist, c1):
+            res = speculative_generate(verifier, proposer, p, scfg.max_new_tokens + k + 1, stops)
+            emitted = 1
+            for r in res.rounds:
+                if emitted >= scfg.max_new_tokens or not r.draft_len:
+                    break
+                drafts += 1
+                accepted += r.accepted
+                for i in range(r.accepted):
+                    per_pos[i] += 1
+                emitted += r.emitted
+        ours = acceptance({"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_accepted_tokens": accepted,
+                           "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos})
+        out[ds] = {"k": k, "engine": engine, "ours": ours, "z_pos1": two_proportion_z(engine, ours)}
+    return out
+
+
+def two_proportion_z(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """z of the difference in first-position acceptance (|z| < 2: within the noise of the prompt count)."""
+    if not a.get("drafts") or not b.get("drafts"):
+        return None
+    n1, n2 = a["drafts"], b["drafts"]
+    x1, x2 = a["accepted_per_pos"][0], b["accepted_per_pos"][0]
+    p = (x1 + x2) / (n1 + n2)
+    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
+    return round((x1 / n1 - x2 / n2) / se, 3) if se > 0 else 0.0
+
+
+def write_plots(folder: Path, summary: dict[str, Any], agreement: dict[str, Any]) -> None:
+    with atomic_path(folder, is_dir=True) as tmp:
+        with open(tmp / "speedup.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["dataset", "temperature", "concurrency", "k", "tokens_per_s", "speedup", "tau"])
+            for ds, temps in summary["results"].items():
+                for t, cells in temps.items():
+                    for c, cell in cells.items():
+                        for setting, row in cell.items():
+                            if setting != "ar":
+                                w.writerow([ds, t[1:], c[1:], setting[1:], row["tokens_per_s"], row["speedup"],
+                                            row.get("tau")])
+        with open(tmp / "agreement.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["dataset", "position", "engine", "ours"])
+            for ds, a in agreement.items():
+                for i in range(1, a["k"] + 1):
+                    w.writerow([ds, i, a["engine"].get(f"alpha_pos{i}"), a["ours"].get(f"alpha_pos{i}")])
+
