@@ -166,3 +166,14 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
         assert a["engine"]["accepted_per_pos"] == a["ours"]["accepted_per_pos"], a
     assert (tmp_path / f"plots/serve_{method}/speedup.csv").exists()
     assert (tmp_path / f"plots/serve_{method}/agreement.csv").read_text().count("\n") == 3
+    # the report renders the engine's section from these metrics beside an evaluate stage's
+    from specdistill.stages import report
+
+    from .test_report import metrics as eval_metrics
+
+    (tmp_path / "metrics/draft.json").write_text(json.dumps(eval_metrics("draft", [0.8, 0.5], 1.9)))
+    report.run({"paths": {"metrics_dir": str(tmp_path / "metrics"), "plots_dir": str(tmp_path / "plots"),
+                          "reports_dir": str(tmp_path / "reports")}, "logger": {"enabled": False}, "experiment_name": "t"})
+    text = (tmp_path / "reports/README.md").read_text()
+    assert "## In the engine: vLLM serving each draft" in text and f"| {method} | mtbench | 2 | " in text
+    assert (tmp_path / "reports/serve_speedup.png").read_bytes()[:4] == b"\x89PNG"

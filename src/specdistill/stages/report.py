@@ -10,6 +10,7 @@ from typing import Any
 from specdistill.io import atomic_path
 from specdistill.reporting import figures, settings
 from specdistill.reporting.online import load_online, online_curves, online_tables
+from specdistill.reporting.serving import load_serving, serving_figure, serving_tables
 from specdistill.reporting.tables import formula_check, results_table, time_split, tv_check
 from specdistill.reporting.training import (
     alpha_curves,
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 def load_metrics(folder: Path) -> dict[str, dict[str, Any]]:
     """The evaluate stages' metrics: the files with `results` (train_*.json and online_*.json are read by
     reporting.training / .online; generate.json holds the generate stage's timing)."""
-    files = [f for f in sorted(folder.glob("*.json")) if not f.stem.startswith(("train_", "online_"))]
+    files = [f for f in sorted(folder.glob("*.json")) if not f.stem.startswith(("train_", "online_", "serve_"))]
     found = {f.stem: m for f in files if "results" in (m := json.loads(f.read_text()))}
     if not found:
         raise FileNotFoundError(f"no metrics in {folder}: run the evaluate stages first (`dvc repro`)")
@@ -67,7 +68,7 @@ def machine(settings: dict[str, Any]) -> str:
 
 
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
-           online: list[str] | None = None) -> str:
+           online: list[str] | None = None, serving: list[str] | None = None) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     # metrics without a split were written before the stratified order: each set's first rows
@@ -104,6 +105,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
     lines += ["## Where the time goes", "", *time_split(all_metrics), ""]
     lines += training or []
     lines += online or []
+    lines += serving or []
     lines += ["## The background text's eq. 2 against measurement", "",
               "Expected tokens per target forward from measured acceptance: with the measured alpha_k chained, with",
               "alpha_pos1 alone (the truncated geometric sum), and its K → ∞ limit 1/(1-alpha), beside measured tau.",
@@ -128,11 +130,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     plots_dir = Path(cfg["paths"].get("plots_dir", "plots"))
     curves = load_curves(plots_dir, list(runs))
     online = load_online(metrics_dir, plots_dir)
+    serve = load_serving(metrics_dir)
     experiment = cfg.get("experiment_name", "default")
     with wandb_run(cfg.get("logger"), job_type="report", group=experiment, config=cfg) as run_:
         with atomic_path(out, is_dir=True) as tmp:
             (tmp / "README.md").write_text(render(all_metrics, experiment, render_training(runs, sweep, curves, all_metrics),
-                                                  online_tables(online)))
+                                                  online_tables(online), serving_tables(serve)))
+            if serve:
+                serving_figure(serve, tmp / "serve_speedup.png")
             if online:
                 online_curves(online, tmp / "online_curves.png")
             if curves:

@@ -74,9 +74,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     summary = summarise(scfg, results)
     agreement = ours_beside_engine(scfg, tcfg, prompts, results) if 0.0 in map(float, scfg.temperatures) else {}
     first = next(iter(results.values()))
-    metrics = {"settings": {**asdict(scfg), "engine": "vllm", "vllm": first["vllm"], "engine_torch": first["torch"],
+    metrics = {"settings": {**environment(), **asdict(scfg), "engine": "vllm", "vllm": first["vllm"], "engine_torch": first["torch"],
                             "engine_dtype": dtype, "target_fingerprint": exported_fingerprint(target_dir),
-                            "prompts": {ds: len(p) for ds, p in prompts.items()}, **environment()},
+                            "prompts": {ds: len(p) for ds, p in prompts.items()}},
                "cold_start_s": {s: round(r["cold_start_s"], 1) for s, r in results.items()},
                **summary, "agreement": agreement}
     write_json(metrics_file, metrics)
@@ -124,13 +124,15 @@ def ours_beside_engine(scfg: ServeConfig, tcfg: TargetConfig, prompts: dict[str,
             res = speculative_generate(verifier, proposer, p, scfg.max_new_tokens + k + 1, stops)
             emitted = 1
             for r in res.rounds:
-                if emitted >= scfg.max_new_tokens or not r.draft_len:
+                if emitted >= scfg.max_new_tokens:
                     break
+                emitted += r.emitted
+                if not r.draft_len:  # no proposal (lookup found no match): the engine counts no draft either
+                    continue
                 drafts += 1
                 accepted += r.accepted
                 for i in range(r.accepted):
                     per_pos[i] += 1
-                emitted += r.emitted
         ours = acceptance({"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_accepted_tokens": accepted,
                            "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos})
         out[ds] = {"k": k, "engine": engine, "ours": ours, "z_pos1": two_proportion_z(engine, ours)}

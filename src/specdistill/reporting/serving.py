@@ -1,0 +1,106 @@
+"""The report's "in the engine" section: what vLLM measured serving each draft (serve@<m> stages), and its
+acceptance beside our decoder's on the same requests."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def load_serving(metrics_dir: Path) -> dict[str, dict[str, Any]]:
+    """{method: metrics} of the serve stages (metrics/serve_<m>.json)."""
+    return {f.stem.removeprefix("serve_"): json.loads(f.read_text()) for f in sorted(metrics_dir.glob("serve_*.json"))}
+
+
+def _f(x: Any, nd: int = 2) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
+    if not serve:
+        return []
+    any_s = next(iter(serve.values()))["settings"]
+    lines = ["## In the engine: vLLM serving each draft", "",
+             f"vLLM {any_s.get('vllm')} (its own environment, torch {any_s.get('engine_torch')}), "
+             f"{any_s.get('engine_dtype')}, threads bound to {any_s.get('threads')}, Intel OpenMP "
+             f"{'preloaded' if any_s.get('iomp') else 'not preloaded'}, on {any_s.get('device')}; "
+             f"{any_s.get('num_prompts')} prompts per dataset (first turn), max_new_tokens {any_s.get('max_new_tokens')}; "
+             "a run at concurrency c sends max(prompts, 2c) requests through a client that keeps c in flight. "
+             "Speed-up: output tokens/s over the same engine without speculation on the same requests; "
+             "tau = 1 + accepted / drafts from the engine's own counters. K is chosen per concurrency "
+             "(best geometric-mean speed-up over datasets and temperatures).", ""]
+    lines += ["| method | concurrency | K chosen | speed-up (geomean) | " + " | ".join(
+        f"K={k}" for k in any_s.get("k", [])) + " |", "|---|---|---|---|" + "---|" * len(any_s.get("k", []))]
+    for method, m in serve.items():
+        ks = m["settings"].get("k", [])
+        for c, chosen in m["chosen_k"].items():
+            per_k = []
+            for k in ks:
+                xs = [t[c][f"k{k}"]["speedup"] for ds in m["results"].values() for t in ds.values()]
+                per_k.append(f"{statistics.geometric_mean(xs):.2f}x")
+            lines.append(f"| {method} | {c[1:]} | {chosen['k']} | {chosen['speedup_geomean']:.2f}x | " + " | ".join(per_k) + " |")
+    lines += ["", "At the chosen K, per dataset and temperature:", "",
+              "| method | dataset | T | c | K | tau | alpha_pos1 | tokens/s | engine alone | speed-up | p50 latency (s) | alone |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method, m in serve.items():
+        for ds, temps in m["results"].items():
+            for t, cells in temps.items():
+                for c, cell in cells.items():
+                    k = m["chosen_k"][c]["k"]
+                    row, ar = cell[f"k{k}"], cell["ar"]
+                    lines.append(f"| {method} | {ds} | {t[1:]} | {c[1:]} | {k} | {_f(row.get('tau'))} | "
+                                 f"{_f(row.get('alpha_pos1'))} | {row['tokens_per_s']:.1f} | {ar['tokens_per_s']:.1f} | "
+                                 f"{row['speedup']:.2f}x | {row['latency_p50_s']:.2f} | {ar['latency_p50_s']:.2f} |")
+    lines += ["", "Cold start of each engine (s): " + "; ".join(
+        f"{method}: " + ", ".join(f"{s} {v:.0f}" for s, v in m.get("cold_start_s", {}).items())
+        for method, m in serve.items()), ""]
+    lines += agreement_table(serve)
+    lines += ["![speed-up in the engine against concurrency](serve_speedup.png)", ""]
+    return lines
+
+
+def agreement_table(serve: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [(method, ds, a) for method, m in serve.items() for ds, a in (m.get("agreement") or {}).items()]
+    if not rows:
+        return []
+    lines = ["### The engine's acceptance beside our decoder's", "",
+             "The same requests (concurrency 1, T = 0) and the same chain (K drafted per round); both counted as the "
+             "engine counts (accepted prefixes per round). alpha_pos{k} is conditional on the earlier positions. "
+             "z: the difference in first-position acceptance over its standard error (|z| < 2: within the noise of "
+             "the prompt count). For ngram the two lookup rules differ (which earlier match they take), so only "
+             "EAGLE's figures must agree.", "",
+             "| method | dataset | K | drafts (engine / ours) | tau (engine / ours) | alpha by position, engine | ours | z |",
+             "|---|---|---|---|---|---|---|---|"]
+    for method, ds, a in rows:
+        e, o, k = a["engine"], a["ours"], a["k"]
+        pos = lambda d: " / ".join(_f(d.get(f"alpha_pos{i}")) for i in range(1, k + 1))  # noqa: E731
+        lines.append(f"| {method} | {ds} | {k} | {e.get('drafts')} / {o.get('drafts')} | {_f(e.get('tau'))} / "
+                     f"{_f(o.get('tau'))} | {pos(e)} | {pos(o)} | {_f(a.get('z_pos1'))} |")
+    return lines + [""]
+
+
+def serving_figure(serve: dict[str, dict[str, Any]], path: Path) -> None:
+    """Speed-up over the engine alone against concurrency, one line per method and K (geomean over settings)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
+    for method, m in serve.items():
+        conc = [int(c[1:]) for c in m["chosen_k"]]
+        for k in m["settings"].get("k", []):
+            ys = [statistics.geometric_mean([t[f"c{c}"][f"k{k}"]["speedup"] for ds in m["results"].values()
+                                             for t in ds.values()]) for c in conc]
+            ax.plot(conc, ys, marker="o", label=f"{method}, K={k}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("speed-up over the engine alone")
+    ax.set_title("vLLM with each draft")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
