@@ -75,7 +75,7 @@ def agreement_table(serve: dict[str, dict[str, Any]]) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for method, ds, a in rows:
         e, o, k = a["engine"], a["ours"], a["k"]
-        pos = lambda d: " / ".join(_f(d.get(f"alpha_pos{i}")) for i in range(1, k + 1))  # noqa: E731
+        pos = lambda d, k=k: " / ".join(_f(d.get(f"alpha_pos{i}")) for i in range(1, k + 1))  # noqa: E731
         lines.append(f"| {method} | {ds} | {k} | {e.get('drafts')} / {o.get('drafts')} | {_f(e.get('tau'))} / "
                      f"{_f(o.get('tau'))} | {pos(e)} | {pos(o)} | {_f(a.get('z_pos1'))} |")
     return lines + [""]
