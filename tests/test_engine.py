@@ -75,6 +75,10 @@ def served(tmp_path_factory):
                               "trainer.val_check_interval=240", "distill.data.batch_size=8",
                               "distill.optimizer.lr=3e-3"))
     train_stage.run(cfg)
+    # the separate draft over the full vocabulary (what vLLM's draft_model loads), trained the same way
+    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=draft", "loss=fkl", "methods.draft.vocab_size=null",
+                                        "distill.output=draft_full", "trainer.max_steps=120",
+                                        "trainer.val_check_interval=120", "distill.data.batch_size=8")))
     head = load_eagle(tmp / "models/eagle", model)
     eagle_dir = export_eagle3(head, tmp / "export/eagle", target_dir, num_speculative_tokens=K)
     return {"model": model, "head": head, "target": target_dir, "eagle": eagle_dir, "tmp": tmp}
@@ -136,7 +140,7 @@ def test_engine_greedy_and_acceptance_match_ours(served):
     assert json.loads((served["eagle"] / "config.json").read_text())["norm_before_residual"] is False
 
 
-@pytest.mark.parametrize("method", ["eagle", "ngram"])
+@pytest.mark.parametrize("method", ["eagle", "draft", "ngram"])
 def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     """The stages end to end on the tiny target: export@target and export@eagle from the trained head, then
     serve@<method> against the engine alone, with our decoder's acceptance beside the engine's."""
@@ -150,19 +154,21 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     common = [f"paths.prompts_dir={tmp_path}/prompts", f"paths.models_dir={tmp_path}/models",
               f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots", "logger=none",
               "target=hf", f"target.name_or_path={served['target']}", "target.dtype=float32", "target.device=cpu"]
-    for what in ("target", "eagle") if method == "eagle" else ("target",):
-        export_stage.run(composed(*common, f"export.method={what}", f"export.eagle_path={served['tmp']}/models/eagle"))
+    for what in ("target", method) if method != "ngram" else ("target",):
+        export_stage.run(composed(*common, f"export.method={what}", f"export.eagle_path={served['tmp']}/models/eagle",
+                                  f"export.draft_path={served['tmp']}/models/draft_full"))
     m = serve_stage.run(composed(*common, f"serve.method={method}", "serve.k=[2]", "serve.agreement_k=2",
                                  "serve.concurrency=[1,2]", "serve.temperatures=[0.0]", "serve.datasets=[mtbench]",
                                  "serve.num_prompts=1", "serve.max_new_tokens=16",
-                                 f"serve.eagle_path={served['tmp']}/models/eagle"))
+                                 f"serve.eagle_path={served['tmp']}/models/eagle",
+                                 f"serve.draft_path={served['tmp']}/models/draft_full"))
     saved = json.loads((tmp_path / f"metrics/serve_{method}.json").read_text())
     assert saved["settings"]["vllm"] == "0.32.0" and saved["settings"]["method"] == method
     cell = saved["results"]["mtbench"]["T0.0"]["c1"]
     assert cell["ar"]["tokens_per_s"] > 0 and cell["k2"]["speedup"] > 0 and cell["k2"]["drafts"] > 0
     assert set(saved["chosen_k"]) == {"c1", "c2"} and saved["chosen_k"]["c1"]["k"] == 2
     a = m["agreement"]["mtbench"]
-    if method == "eagle":  # float32, the same chain: the same counts (ngram differs by the proposers' match rules)
+    if method != "ngram":  # float32, the same chain: the same counts (ngram differs by the proposers' match rules)
         assert a["engine"]["accepted_per_pos"] == a["ours"]["accepted_per_pos"], a
     assert (tmp_path / f"plots/serve_{method}/speedup.csv").exists()
     assert (tmp_path / f"plots/serve_{method}/agreement.csv").read_text().count("\n") == 3

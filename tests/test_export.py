@@ -84,3 +84,24 @@ def test_a_bad_export_is_refused_before_the_engine(exported, tmp_path, tiny_toke
     with pytest.raises(ExportError, match="eagle3"):
         export_eagle3(build_eagle(model, "eagle1", [4]), tmp_path / "e5", folder)
     assert not any((tmp_path / f"e{i}").exists() for i in range(1, 6))
+
+
+def test_the_separate_draft_exports_only_with_the_full_vocabulary(exported, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.export.draft import export_draft
+    from specdistill.models.draft_lm import DraftSize, build_draft, save_draft
+
+    model, folder = exported
+    size = DraftSize(name="t", num_layers=1)
+    save_draft(build_draft(model, size), tmp_path / "full")
+    out = export_draft(tmp_path / "full", tmp_path / "export_draft", folder)
+    draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 6, 7]])  # HF assisted generation takes it as it is, in the target's token ids
+    got = model.generate(ids, assistant_model=draft, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=2))
+    assert (out / "tokenizer.json").exists()
+    save_draft(build_draft(model, size, d2t=torch.arange(0, 64)), tmp_path / "reduced")
+    with pytest.raises(ExportError, match="train@draft_full"):
+        export_draft(tmp_path / "reduced", tmp_path / "export_reduced", folder)
+    assert not (tmp_path / "export_reduced").exists()

@@ -15,7 +15,7 @@ from typing import Any
 
 from specdistill.stages.common import ConfigError
 
-METHODS = ("eagle", "ngram")
+METHODS = ("eagle", "ngram", "draft")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class ServeConfig:
     ngram_min: int
     export_dir: str
     eagle_path: str
+    draft_path: str
     timeout_s: int
     seed: int
 
@@ -74,6 +75,8 @@ def speculative_config(cfg: ServeConfig, k: int, draft_dir: str | None) -> dict[
     if cfg.method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": cfg.ngram_max,
                 "prompt_lookup_min": cfg.ngram_min}
+    if cfg.method == "draft":
+        return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
     return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
 
 

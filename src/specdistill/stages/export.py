@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from specdistill.export.draft import export_draft
 from specdistill.export.eagle3 import export_eagle3
 from specdistill.export.target import ExportError, export_target
 from specdistill.models.target import TargetConfig, load_target
@@ -23,7 +24,7 @@ from specdistill.stages.common import ConfigError, check_outputs, section
 
 log = logging.getLogger(__name__)
 
-METHODS = ("target", "eagle")
+METHODS = ("target", "eagle", "draft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,6 +34,7 @@ class ExportConfig:
     dir: str
     dtype: str | None
     eagle_path: str
+    draft_path: str
     num_speculative_tokens: int
 
     def __post_init__(self) -> None:
@@ -50,9 +52,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     out = Path(ecfg.dir) / ecfg.method
     check_outputs(cfg, replaced={"export.dir": out})
     target_dir = Path(ecfg.dir) / "target"
-    if ecfg.method == "eagle" and not (target_dir / "config.json").exists():
-        raise ExportError(f"export@eagle names the exported target as its verifier, and {target_dir} is missing: "
+    if ecfg.method != "target" and not (target_dir / "config.json").exists():
+        raise ExportError(f"export@{ecfg.method} is checked against the exported target, and {target_dir} is missing: "
                           f"run `dvc repro export@target` first")
+    if ecfg.method == "draft":  # a plain HF folder: the target itself need not load
+        export_draft(ecfg.draft_path, out, target_dir)
+        log.info("wrote %s (vLLM: speculative_config method=draft_model; HF: assistant_model)", out)
+        return {"export": str(out)}
     target = load_target(tcfg)
     if ecfg.method == "target":
         dtype = DTYPES[ecfg.dtype or tcfg.dtype]

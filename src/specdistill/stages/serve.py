@@ -44,8 +44,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     name = f"serve_{scfg.method}"
     metrics_file, plots = Path(paths.get("metrics_dir", "metrics")) / f"{name}.json", Path(paths.get("plots_dir", "plots")) / name
     check_outputs(cfg, replaced={"serve.method": plots})
-    target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / "eagle"
-    for need, stage in ((target_dir, "export@target"), *(((draft_dir, "export@eagle"),) if scfg.method == "eagle" else ())):
+    target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / scfg.method
+    drafted = scfg.method != "ngram"  # ngram drafts from the context: nothing exported
+    for need, stage in ((target_dir, "export@target"), *(((draft_dir, f"export@{scfg.method}"),) if drafted else ())):
         if not (need / "config.json").exists():
             raise ExportError(f"serve@{scfg.method} needs {need}: run `dvc repro {stage}` first")
     engine_python()  # no engine environment: a clear error now, not after the prompts load
@@ -107,6 +108,11 @@ def ours_beside_engine(scfg: ServeConfig, tcfg: TargetConfig, prompts: dict[str,
 
         head = load_eagle(scfg.eagle_path, target.model, dtype=target.model.dtype, target_fingerprint=target.fingerprint)
         proposer: Any = EagleProposer(head, EagleTreeConfig(shape="chain", k=k))
+    elif scfg.method == "draft":
+        from specdistill.decoding.proposers import DraftLMProposer
+        from specdistill.models.draft_lm import load_draft
+
+        proposer = DraftLMProposer(load_draft(scfg.draft_path, dtype=target.model.dtype), k=k)
     else:
         from specdistill.decoding.proposers import PromptLookupProposer
 
