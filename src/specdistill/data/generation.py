@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,6 +50,9 @@ class GenerateConfig:
     topk_logprobs: int = 0  # store the target's top-k logprobs per response position (0: off)
     compact_below: float = 0.75  # drop finished rows once fewer than this fraction of the batch is alive
     seed: int = 0
+    RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
+        "temperature": "[0, 2]", "top_p": "(0, 1]", "top_k": "[0, inf)", "max_new_tokens": "[1, inf)",
+        "batch_size": "[1, inf)", "shard_size": "[1, inf)", "topk_logprobs": "[0, inf)", "compact_below": "[0, 1]"}
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

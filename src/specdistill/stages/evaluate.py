@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
@@ -71,6 +71,11 @@ class EvalConfig:
     lookup_branches: int = 1
     capacity: int = 4096  # KV cache tokens per generation
     seed: int = 0
+    RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
+        "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "temperatures": "[0, 2]", "top_p": "(0, 1]",
+        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "draft_layers": "[1, inf)", "medusa_budget": "[1, inf)",
+        "lookup_k": "[1, 64]", "lookup_max_ngram": "[1, inf)", "lookup_min_ngram": "[1, inf)",
+        "lookup_branches": "[1, 64]", "capacity": "[64, inf)"}
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

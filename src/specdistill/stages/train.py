@@ -202,6 +202,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"loss={lcfg.name} needs the target's full distribution; distill.teacher={dist.teacher} keeps "
                           "only its top-k: use distill.teacher=live or loss=fkl/topk_kl")
     optimizer = hydra.utils.instantiate(dist.optimizer)
+    import torch
+
+    try:  # built once on a dummy parameter now: a bad value (`lr=fast`) fails here, before any checkpoint is touched
+        optimizer([torch.nn.Parameter(torch.zeros(1))])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"distill.optimizer={dist.optimizer}: {e}") from e
     scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
     trainer_kwargs = {**dict(cfg["trainer"]), **(mcfg.trainer or {})}  # methods.<m>.trainer wins (every method has one)
     label = {"draft": lambda: size.name, "medusa": lambda: f"k{mcfg.num_heads}"}.get(name, lambda: mcfg.variant)()

@@ -1,0 +1,50 @@
+"""A bad value fails at start and leaves what an earlier good run wrote byte-identical (hardening, items 2-3).
+
+Each run goes through the real config and stage, in a temporary copy of the project holding outputs of an
+earlier run (generated shards and their fingerprint, a checkpoint, evaluate metrics)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdistill.stages.common import ConfigError
+
+from .test_outputs import _stage, checkout, composed, snapshot  # noqa: F401 (fixture)
+
+
+@pytest.fixture
+def earlier_outputs(checkout):  # noqa: F811
+    for f, text in {"data/generated/FINGERPRINT": "abc\n", "data/generated/manifest.json": "{}",
+                    "data/generated/train/shard-00000/data-00000-of-00001.arrow": "shard",
+                    "checkpoints/draft/FINGERPRINT": "def\n", "metrics/draft.json": '{"results": {"x": 1}}',
+                    "plots/draft/.specdistill-output": "marker"}.items():
+        (checkout / f).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / f).write_text(text)
+    return checkout
+
+
+CASES = [  # item 2: typos that once wiped shards or last.ckpt; item 3: out-of-range values that once ran
+    ("generate", "generate.temperature=hot", "generate.temperature"),
+    ("generate", "generate.batch_size=2.5", "generate.batch_size"),
+    ("generate", "generate.temperature=-1.0", "generate.temperature"),
+    ("generate", "generate.top_k=-3", "generate.top_k"),
+    ("train", "distill.optimizer.lr=fast", "distill.optimizer"),
+    ("evaluate", "eval.top_p=0", "eval.top_p"),
+    ("evaluate", "eval.top_p=1.5", "eval.top_p"),
+    ("evaluate", "eval.k=0", "eval.k"),
+    ("evaluate", "eval.k=-2", "eval.k"),
+    ("evaluate", "eval.k=two", "eval.k"),
+    ("evaluate", "eval.temperatures=[-0.5]", "eval.temperatures"),
+    ("evaluate", "eval.num_prompts=0", "eval.num_prompts"),
+    ("train", "methods.medusa.num_heads=four", "methods.medusa.num_heads"),
+]
+
+
+@pytest.mark.parametrize("stage,override,key", CASES, ids=[c[1] for c in CASES])
+def test_a_bad_value_fails_at_start_and_keeps_earlier_outputs(earlier_outputs, stage, override, key):
+    before = snapshot(earlier_outputs)
+    extra = ["method=medusa"] if key.startswith("methods.medusa") else ["method=draft"] if stage == "train" else []
+    cfg = composed(earlier_outputs, override, *extra)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _stage(stage)(cfg)
+    assert snapshot(earlier_outputs) == before
