@@ -125,7 +125,7 @@ def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_di
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
     bad = [({"method": "lookup"}, "the chain alone"), ({"eagle_tree": {"shape": "chain"}}, "an EAGLE chain drafts by sampling"),
            ({"method": "draft"}, r"a draft LM chain drafts by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram"),
-           ({"lookup_branches": 0}, r"lookup_branches >= 1 \(0\)")]
+           ({"lookup_branches": 0}, r"eval\.lookup_branches=0`: must be in \[1, 64\]")]
     for change, message in bad:
         with pytest.raises(ConfigError, match=message):
             evaluate_stage.run({**cfg, "eval": {**cfg["eval"], **change}})
