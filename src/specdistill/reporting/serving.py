@@ -30,24 +30,28 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
              "a run at concurrency c sends max(prompts, 2c) requests through a client that keeps c in flight. "
              "Speed-up: output tokens/s over the same engine without speculation on the same requests; "
              "tau = 1 + accepted / drafts from the engine's own counters. K is chosen per concurrency "
-             "(best geometric-mean speed-up over datasets and temperatures).", ""]
+             "(best geometric-mean speed-up over datasets and temperatures); where no K beats the engine alone, "
+             "the choice is to serve without speculation at that load (\"off\", 1.00x; vLLM 0.32 takes such a "
+             "schedule as `num_speculative_tokens_per_batch_size`).", ""]
     lines += ["| method | concurrency | K chosen | speed-up (geomean) | " + " | ".join(
         f"K={k}" for k in any_s.get("k", [])) + " |", "|---|---|---|---|" + "---|" * len(any_s.get("k", []))]
     for method, m in serve.items():
         ks = m["settings"].get("k", [])
-        for c, chosen in m["chosen_k"].items():
+        for c, chosen in sorted(m["chosen_k"].items(), key=lambda kv: int(kv[0][1:])):  # c1, c4, c16
             per_k = []
             for k in ks:
                 xs = [t[c][f"k{k}"]["speedup"] for ds in m["results"].values() for t in ds.values()]
                 per_k.append(f"{statistics.geometric_mean(xs):.2f}x")
-            lines.append(f"| {method} | {c[1:]} | {chosen['k']} | {chosen['speedup_geomean']:.2f}x | " + " | ".join(per_k) + " |")
-    lines += ["", "At the chosen K, per dataset and temperature:", "",
+            pick = (f"{chosen['k']} | {chosen['speedup_geomean']:.2f}x" if chosen["speedup_geomean"] >= 1.0 else
+                    f"off (best K={chosen['k']}: {chosen['speedup_geomean']:.2f}x) | 1.00x")
+            lines.append(f"| {method} | {c[1:]} | {pick} | " + " | ".join(per_k) + " |")
+    lines += ["", "At the best K, per dataset and temperature:", "",
               "| method | dataset | T | c | K | tau | alpha_pos1 | tokens/s | engine alone | speed-up | p50 latency (s) | alone |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, m in serve.items():
         for ds, temps in m["results"].items():
             for t, cells in temps.items():
-                for c, cell in cells.items():
+                for c, cell in sorted(cells.items(), key=lambda kv: int(kv[0][1:])):
                     k = m["chosen_k"][c]["k"]
                     row, ar = cell[f"k{k}"], cell["ar"]
                     lines.append(f"| {method} | {ds} | {t[1:]} | {c[1:]} | {k} | {_f(row.get('tau'))} | "
@@ -69,8 +73,9 @@ def agreement_table(serve: dict[str, dict[str, Any]]) -> list[str]:
              "The same requests (concurrency 1, T = 0) and the same chain (K drafted per round); both counted as the "
              "engine counts (accepted prefixes per round). alpha_pos{k} is conditional on the earlier positions. "
              "z: the difference in first-position acceptance over its standard error (|z| < 2: within the noise of "
-             "the prompt count). For ngram the two lookup rules differ (which earlier match they take), so only "
-             "EAGLE's figures must agree.", "",
+             "the prompt count). For ngram the two lookup rules may take different earlier matches (vLLM: the "
+             "longest n-gram's rightmost match; ours: the latest match of the longest n-gram), so there a gap is "
+             "a difference of rule, for EAGLE a bug.", "",
              "| method | dataset | K | drafts (engine / ours) | tau (engine / ours) | alpha by position, engine | ours | z |",
              "|---|---|---|---|---|---|---|---|"]
     for method, ds, a in rows:
@@ -90,13 +95,16 @@ def serving_figure(serve: dict[str, dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
     for method, m in serve.items():
-        conc = [int(c[1:]) for c in m["chosen_k"]]
+        conc = sorted(int(c[1:]) for c in m["chosen_k"])
         for k in m["settings"].get("k", []):
             ys = [statistics.geometric_mean([t[f"c{c}"][f"k{k}"]["speedup"] for ds in m["results"].values()
                                              for t in ds.values()]) for c in conc]
             ax.plot(conc, ys, marker="o", label=f"{method}, K={k}")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
+    ticks = sorted({int(c[1:]) for m in serve.values() for c in m["chosen_k"]})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("speed-up over the engine alone")
     ax.set_title("vLLM with each draft")
