@@ -1,6 +1,6 @@
 """The engine's EAGLE-3 acceptance at T = 1, with and without per-request seeds, at concurrency 1 and 16.
 
-    python benchmarks/engine_acceptance_t1.py [--k 3] [--prompts 8] [--max-new-tokens 64]
+    python benchmarks/engine_acceptance_t1.py [--k 3] [--prompts 8] [--max-new-tokens 64] [--dtype float32]
 
 One engine start (the exported target + models/export/eagle), HumanEval first turns; prints drafts, accepted
 tokens per position and the first position's acceptance for each run (docs/findings.md, "Open").
@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -35,7 +36,7 @@ def main() -> None:
     runs = [{"name": f"seed={seed}|c={c}", "concurrency": c, "temperature": 1.0, "max_tokens": args.max_new_tokens,
              "prompts": [ps[i % len(ps)] for i in range(max(len(ps), 2 * c))], "seed": seed}
             for seed in (1234, None) for c in (1, 16)]
-    res = run_engine({"target": str(target), "dtype": "bfloat16", "max_model_len": 2048, "runs": runs,
+    res = run_engine({"target": str(target), "dtype": args.dtype, "max_model_len": 2048, "runs": runs,
                       "speculative_config": {"method": "eagle3", "model": str(ROOT / "models/export/eagle"),
                                              "num_speculative_tokens": args.k}}, root=ROOT)
     for r in res["runs"]:
