@@ -112,7 +112,9 @@ def test_pinsker_bounds_acceptance_rate(data):
     alpha = np.minimum(softmax(t), softmax(s)).sum(-1)  # expected acceptance rate of speculative sampling
     for name in ("fkl", "rkl"):
         kl = np.maximum(per_token(name, s, t), 0.0)
-        assert np.all(alpha >= 1 - np.sqrt(kl / 2) - 1e-5), name
+        # the loss computes KL in float32: near p = q it rounds a true 2 TV^2 ~ 5e-10 to 0 (hypothesis found logits
+        # 6e-5 apart: TV 1.5e-5 against a bound of exactly 1); allow the loss's own rounding (~1e-6) inside the root
+        assert np.all(alpha >= 1 - np.sqrt((kl + 1e-6) / 2) - 1e-6), name
 
 
 # --- forward vs reverse KL ------------------------------------------------------------------------------------
