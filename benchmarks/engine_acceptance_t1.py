@@ -1,6 +1,7 @@
 """The engine's EAGLE-3 acceptance at T = 1, with and without per-request seeds, at concurrency 1 and 16.
 
     python benchmarks/engine_acceptance_t1.py [--k 3] [--prompts 8] [--max-new-tokens 64] [--dtype float32]
+                                              [--probabilistic]
 
 One engine start (the exported target + models/export/eagle), HumanEval first turns; prints drafts, accepted
 tokens per position and the first position's acceptance for each run (docs/findings.md, "Open").
@@ -24,6 +25,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--probabilistic", action="store_true",
+                    help="the draft samples from its distribution (vLLM's draft_sample_method=probabilistic) "
+                         "instead of its argmax")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -38,7 +42,9 @@ def main() -> None:
             for seed in (1234, None) for c in (1, 16)]
     res = run_engine({"target": str(target), "dtype": args.dtype, "max_model_len": 2048, "runs": runs,
                       "speculative_config": {"method": "eagle3", "model": str(ROOT / "models/export/eagle"),
-                                             "num_speculative_tokens": args.k}}, root=ROOT)
+                                             "num_speculative_tokens": args.k,
+                                             **({"draft_sample_method": "probabilistic"} if args.probabilistic else {})}},
+                     root=ROOT)
     for r in res["runs"]:
         s = r["spec"]
         drafts, per_pos = s["vllm:spec_decode_num_drafts"], s["vllm:spec_decode_num_accepted_tokens_per_pos"]
