@@ -19,6 +19,7 @@ from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.engine.client import engine_python, run_engine
+from specdistill.engine.serving import engine_counts
 from specdistill.export.eagle3 import export_eagle3
 from specdistill.export.target import export_target
 from specdistill.models.eagle import load_eagle
@@ -96,14 +97,8 @@ def ours_chain(model, head, prompt_list):
     for p in prompt_list:
         res = speculative_generate(verifier, proposer, p, NEW + K + 1, stops=set())
         tokens.append(res.tokens[:NEW])
-        emitted = 1  # the prefill's token
-        for r in res.rounds:
-            if emitted >= NEW:
-                break
-            drafts += 1
-            for i in range(r.accepted):
-                per_pos[i] += 1
-            emitted += r.emitted
+        d, _, pp = engine_counts(res.rounds, NEW, K)
+        drafts, per_pos = drafts + d, [x + y for x, y in zip(per_pos, pp, strict=True)]
     return tokens, drafts, per_pos
 
 

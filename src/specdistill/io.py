@@ -61,6 +61,9 @@ def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
         if is_dir:
             mark(tmp)
         yield tmp
+        if is_dir:  # what a library wrote inside (safetensors: 0600) gets the umask's mode too: a server under
+            for f in tmp.rglob("*"):  # another user must read an export
+                f.chmod((0o777 if f.is_dir() else 0o666) & ~UMASK)
         if is_dir and (final.exists() or final.is_symlink()):
             shutil.rmtree(check_replaceable(final, str(final)))  # again: it may have appeared meanwhile
         os.replace(tmp, final)

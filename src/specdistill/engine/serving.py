@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from specdistill.stages.common import ConfigError
 
@@ -40,6 +40,10 @@ class ServeConfig:
     draft_path: str
     timeout_s: int
     seed: int
+    RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
+        "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "timeout_s": "[1, inf)", "temperatures": "[0, 2]",
+        "concurrency": "[1, 256]", "k": "[1, 256]", "max_model_len": "[64, inf)", "ngram_max": "[1, inf)",
+        "ngram_min": "[1, inf)"}
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -49,17 +53,8 @@ class ServeConfig:
         need(self.method in METHODS, "method", self.method, f"use one of {METHODS}")
         need(bool(self.datasets) and set(self.datasets) <= {"mtbench", "humaneval"}, "datasets", self.datasets,
              "a non-empty list of mtbench, humaneval")
-        need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 64),
-             "max_model_len", self.max_model_len, "an integer >= 64, or null (the target's context)")
-        for key in ("num_prompts", "max_new_tokens", "timeout_s"):
-            v = getattr(self, key)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, key, v, "an integer >= 1")
-        need(bool(self.temperatures) and all(isinstance(t, int | float) and 0 <= t <= 2 for t in self.temperatures),
-             "temperatures", self.temperatures, "a non-empty list of numbers in [0, 2]")
-        for key in ("concurrency", "k"):
-            v = getattr(self, key)
-            need(bool(v) and all(isinstance(x, int) and 1 <= x <= 256 for x in v), key, v,
-                 "a non-empty list of integers in [1, 256]")
+        for key in ("temperatures", "concurrency", "k"):  # types and ranges: `section`; here what it cannot say
+            need(bool(getattr(self, key)), key, getattr(self, key), "a non-empty list")
         need(self.agreement_k in self.k, "agreement_k", self.agreement_k, f"one of serve.k={self.k}")
         need(1 <= self.ngram_min <= self.ngram_max, "ngram_min", self.ngram_min, "in [1, serve.ngram_max]")
         need(self.dtype in (None, "float32", "bfloat16"), "dtype", self.dtype, "float32, bfloat16 or null")
@@ -102,6 +97,24 @@ def acceptance(spec: dict[str, Any]) -> dict[str, Any]:
         out[f"alpha_pos{i + 1}"] = round(n / prev, 4) if prev else None
         prev = n
     return out
+
+
+def engine_counts(rounds: list[Any], max_new_tokens: int, k: int) -> tuple[int, int, list[int]]:
+    """(drafts, accepted, accepted prefixes per position) of our decoder's rounds, counted as the engine counts:
+    every round that starts before max_new_tokens and proposes something (the engine drafts all K in a request's
+    last round, where our loop shortens the chain to what fits, so run ours K + 1 tokens further)."""
+    drafts, accepted, per_pos, emitted = 0, 0, [0] * k, 1  # the prefill's token
+    for r in rounds:
+        if emitted >= max_new_tokens:
+            break
+        emitted += r.emitted
+        if not r.draft_len:  # no proposal (lookup found no match): the engine counts no draft either
+            continue
+        drafts += 1
+        accepted += r.accepted
+        for i in range(r.accepted):
+            per_pos[i] += 1
+    return drafts, accepted, per_pos
 
 
 def speed(run: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,4 @@ def export_draft(draft_dir: str | Path, out_dir: str | Path, target_dir: str | P
                 shutil.copy2(f, tmp / f.name)
         if (draft_dir / SETTINGS_FILE).exists():
             shutil.copy2(draft_dir / SETTINGS_FILE, tmp / SETTINGS_FILE)
-    for f in Path(out_dir).iterdir():
-        f.chmod(0o644)
     return Path(out_dir)

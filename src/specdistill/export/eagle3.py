@@ -130,6 +130,4 @@ def export_eagle3(head: Any, out_dir: str | Path, target_dir: str | Path, num_sp
     with atomic_path(out_dir, is_dir=True) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for f in Path(out_dir).iterdir():
-        f.chmod(0o644)
     return Path(out_dir)

@@ -46,8 +46,6 @@ def export_target(model: Any, tokenizer: Any, out_dir: str | Path, fingerprint: 
         tokenizer.save_pretrained(str(tmp))
         (tmp / EXPORT_INFO).write_text(json.dumps({"target_fingerprint": fingerprint, "dtype": config["dtype"]},
                                                   indent=2, sort_keys=True) + "\n")
-    for f in out_dir.iterdir():  # a serving process runs under another user: safetensors writes 0600
-        f.chmod(0o644)
     return out_dir
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,14 +36,13 @@ class ExportConfig:
     eagle_path: str
     draft_path: str
     num_speculative_tokens: int
+    RANGES: ClassVar[dict[str, str]] = {"num_speculative_tokens": "[1, 16]"}  # checked by `section`
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"export.method={self.method!r}: use one of {METHODS}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"export.dtype={self.dtype!r}: use one of {sorted(DTYPES)} or null (the target's)")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError(f"export.num_speculative_tokens={self.num_speculative_tokens!r}: an integer in [1, 16]")
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from specdistill.engine.client import engine_python, run_engine
 from specdistill.engine.serving import (
     ServeConfig,
     acceptance,
+    engine_counts,
     job,
     prompt_requests,
     speculative_config,
@@ -125,20 +126,11 @@ def ours_beside_engine(scfg: ServeConfig, tcfg: TargetConfig, prompts: dict[str,
                    if r["name"].split("|")[0] == ds and float(r["name"].split("|")[1]) == 0.0
                    and int(r["name"].split("|")[2]) == c1)
         engine = acceptance(run["spec"])
-        drafts, per_pos, accepted = 0, [0] * k, 0
+        drafts, accepted, per_pos = 0, 0, [0] * k
         for p in prompt_requests(plist, c1):
             res = speculative_generate(verifier, proposer, p, scfg.max_new_tokens + k + 1, stops)
-            emitted = 1
-            for r in res.rounds:
-                if emitted >= scfg.max_new_tokens:
-                    break
-                emitted += r.emitted
-                if not r.draft_len:  # no proposal (lookup found no match): the engine counts no draft either
-                    continue
-                drafts += 1
-                accepted += r.accepted
-                for i in range(r.accepted):
-                    per_pos[i] += 1
+            d, a, pp = engine_counts(res.rounds, scfg.max_new_tokens, k)
+            drafts, accepted, per_pos = drafts + d, accepted + a, [x + y for x, y in zip(per_pos, pp, strict=True)]
         ours = acceptance({"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_accepted_tokens": accepted,
                            "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos})
         out[ds] = {"k": k, "engine": engine, "ours": ours, "z_pos1": two_proportion_z(engine, ours)}
