@@ -32,11 +32,13 @@ setup: $(VENV)/.installed
 # vLLM pins torch and transformers apart from the project's: it gets its own environment, and the project talks to
 # it as a process (src/specdistill/engine). torchvision / torchaudio / torchcodec, which its dependencies pull in,
 # do not load against the CPU torch and break `import vllm`; a text-only engine needs none of them.
-$(ENGINE_VENV)/.installed: requirements-engine.txt
+# engine-plugin/ is a vLLM general plugin with our fixes to the CPU engine (its docstring says which and why).
+$(ENGINE_VENV)/.installed: requirements-engine.txt engine-plugin/pyproject.toml engine-plugin/specdistill_vllm_fixes/__init__.py
 	$(PY) -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip
 	$(ENGINE_VENV)/bin/python -m pip install -q "$(ENGINE)" -r requirements-engine.txt
 	$(ENGINE_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(ENGINE_VENV)/bin/python -m pip install -q --force-reinstall --no-deps ./engine-plugin
 	$(ENGINE_VENV)/bin/python -c "import vllm, speculators; print('engine: vllm', vllm.__version__)"
 	touch $@
 

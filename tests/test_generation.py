@@ -266,3 +266,33 @@ def test_sigkill_mid_run_then_resume(workdir, tiny_target_dir):
     ref_cfg["paths"]["prompts_dir"] = cfg["paths"]["prompts_dir"]
     generate_stage.run(ref_cfg)
     assert read_split(out)["input_ids"] == read_split(ref_dir / "generated/train")["input_ids"]
+
+
+def test_answers_past_the_targets_context_are_refused_before_any_shard_is_touched(workdir, tiny_target_dir):
+    """Issue 33, item 5: the tiny target has 512 positions; a prompt plus max_new_tokens past them is refused."""
+    generate_stage.run(stage_cfg(tiny_target_dir, workdir))
+    before = {p: p.read_bytes() for p in (workdir / "generated").rglob("*") if p.is_file()}
+    with pytest.raises(Exception, match=r"split train: its longest prompt has \d+ tokens.*context of 512"):
+        generate_stage.run(stage_cfg(tiny_target_dir, workdir, max_new_tokens=500))
+    assert {p: p.read_bytes() for p in (workdir / "generated").rglob("*") if p.is_file()} == before
+
+
+def test_a_second_run_on_the_same_folder_is_refused_while_the_first_writes(workdir, tiny_target_dir):
+    """Issue 33, item 6: two runs with different configs in one folder once wiped each other's shards."""
+    import json
+
+    first = stage_cfg(tiny_target_dir, workdir, shard_size=2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, json.dumps(first)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    out = workdir / "generated/train"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(out.glob("shard-*")) and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the first run ended before the second could start"
+    with pytest.raises(Exception, match=r"another run \(pid \d+\) is writing .*generated .*paths\.generated_dir"):
+        generate_stage.run(stage_cfg(tiny_target_dir, workdir, shard_size=2, temperature=0.5))
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    assert sorted(read_split(out)["id"]) == sorted(f"train-{i}" for i in range(20))  # the first run whole
+    # the lock goes with its process: once the first ended, the next run proceeds
+    assert generate_stage.run(first)["this_run"]["shards"] == 0

@@ -267,3 +267,20 @@ def test_evaluate_stage_runs_medusa(tmp_path, tiny_target_dir, tiny_tokenizer, m
     (tmp_path / "models/medusa/tree.json").write_text(json.dumps(trees))
     cfg["eval"]["medusa_budget"] = 5  # grown from the saved accuracies
     assert evaluate_stage.run(cfg)["settings"]["tree_nodes"] == 5
+
+
+def test_heads_without_a_fingerprint_for_another_width_are_refused(tmp_path, target):
+    """Issue 33, item 5: heads of a 128-wide target, saved without a fingerprint, once crashed in a matmul."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wide = LlamaForCausalLM(LlamaConfig(vocab_size=target.config.vocab_size, hidden_size=128, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    heads = random_heads(wide, 2, None)
+    assert heads.cfg.target_fingerprint is None
+    save_medusa(heads, tmp_path / "m", trees={"trees": {}})
+    with pytest.raises(ValueError, match=r"width 128 .*this target has 64 .*train@medusa"):
+        load_medusa(tmp_path / "m", target=target)
+    weights = tmp_path / "m" / "medusa.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a damaged header
+    with pytest.raises(ValueError, match=r"not a readable safetensors file .*retrain"):
+        load_medusa(tmp_path / "m", target=wide)

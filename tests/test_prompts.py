@@ -119,7 +119,7 @@ def prepare_cfg(tmp_path, assets, target_dir, **data):
          "mtbench_path": str(assets / "mtbench/question.jsonl"),
          "humaneval_path": str(assets / "humaneval/HumanEval.jsonl.gz"),
          "num_train": 30, "num_val": 5, "num_mtbench": 80, "num_humaneval": 164, "val_fraction": 0.2,
-         "max_turns": 2, "min_prompt_tokens": 1, "max_prompt_tokens": 512, "min_reference_chars": 1, "seed": 0}
+         "max_turns": 2, "min_prompt_tokens": 1, "max_prompt_tokens": 256, "min_reference_chars": 1, "seed": 0}
     d.update(data)
     return {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "data": d,
             "target": {"name_or_path": str(target_dir), "dtype": "float32"}}
@@ -230,3 +230,51 @@ def test_prepare_stage_records_the_code_mix_only_when_asked(tmp_path, tiny_asset
     summary = prepare_stage.run(prepare_cfg(tmp_path / "mix", tiny_assets, tiny_target_dir, code_fraction=0.0))
     assert summary["code_mix"]["train"] == {"prompts": 30, "code": 0, "code_share": 0.0}
     assert json.loads((tmp_path / "mix/prompts/summary.json").read_text())["code_mix"]["val"]["code"] == 0
+
+
+def test_a_file_corrupt_in_the_middle_is_an_error_not_a_truncation():
+    """Issue 33, item 5: a record broken in the middle was once taken for a cut-off end (26 of 80 kept)."""
+    full = json.dumps(sharegpt_records(80), indent=2)
+    broken = full.replace('"c26"', '"c26" "oops"', 1)
+    with pytest.raises(PromptError, match=r"record 26 .*corrupt in the middle"):
+        recover_json_array(broken)
+    # a nested turn after the cut is not mistaken for a following record
+    cut = full[: full.index('"c79"') + 120]
+    assert len(recover_json_array(cut).records) == 79
+
+
+def test_bad_prompt_files_name_the_file_and_the_fix(tmp_path, tiny_assets, tiny_target_dir):
+    cases = {
+        "sharegpt/sg.json": (b'[{"id": "x\xff\xfe", "conversations": []}]', r"sg.json is not UTF-8 text"),
+        "mtbench/question.jsonl": (b'{"question_id": 1, "category": "w", "turns": ["a"]}\n' * 2
+                                   + b'{"question_id": 3, "turns": \n', r"question.jsonl line 3 is not an MT-bench"),
+        "humaneval/HumanEval.jsonl.gz": (b'{"task_id": "HumanEval/0"}\n', r"HumanEval.jsonl.gz is not a gzip"),
+    }
+    for name, (content, message) in cases.items():
+        good = (tiny_assets / name).read_bytes()
+        (tiny_assets / name).write_bytes(content)
+        with pytest.raises(PromptError, match=message):
+            prepare_stage.run(prepare_cfg(tmp_path, tiny_assets, tiny_target_dir))
+        (tiny_assets / name).write_bytes(good)
+
+
+def test_a_custom_row_of_the_wrong_shape_names_the_row_and_the_keys(tmp_path, tiny_assets, tiny_target_dir):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "a", "messages": [{"from": "human", "value": "hi"}]}) + "\n")
+    cfg = prepare_cfg(tmp_path, tiny_assets, tiny_target_dir)
+    cfg["data"]["source"] = {"kind": "datasets", "path": None, "name": "json", "config": None, "split": "train",
+                             "data_files": str(rows), "format": "messages", "columns": {"id": "id", "conversation": "messages"}}
+    with pytest.raises(PromptError, match=r"row 0 .*'messages' shape .*KeyError.*data.source.format"):
+        prepare_stage.run(cfg)
+
+
+def test_prompts_must_fit_the_targets_context(tmp_path, tiny_assets, tiny_target_dir, caplog):
+    """The tiny target has 512 positions: a cap at or above it is refused, a longer benchmark prompt dropped."""
+    with pytest.raises(PromptError, match=r"data.max_prompt_tokens=512 leaves no room .*context of 512"):
+        prepare_stage.run(prepare_cfg(tmp_path, tiny_assets, tiny_target_dir, max_prompt_tokens=512))
+    lines = (tiny_assets / "mtbench/question.jsonl").read_text().splitlines()
+    lines.append(json.dumps({"question_id": 99, "category": "writing", "turns": ["word " * 600, "again"]}))
+    (tiny_assets / "mtbench/question.jsonl").write_text("\n".join(lines) + "\n")
+    summary = prepare_stage.run(prepare_cfg(tmp_path, tiny_assets, tiny_target_dir, max_prompt_tokens=256))
+    assert summary["splits"]["mtbench"]["prompts"] == 5
+    assert "mtbench: dropped 1 prompt(s) longer than the target's context of 512" in caplog.text

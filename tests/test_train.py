@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -234,3 +235,39 @@ def test_weights_do_not_depend_on_what_the_process_drew_before(tmp_path, tiny_ta
         weights.append({k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()})
     assert weights[0].keys() == weights[1].keys() and weights[0]
     assert [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])] == []
+
+
+def test_a_cut_off_checkpoint_falls_back_or_names_the_folder(tmp_path, tiny_target_dir, generated, monkeypatch, caplog):
+    """Issue 33, item 5: a truncated last.ckpt once gave a raw PytorchStreamReader error."""
+    from specdistill.training.draft import DraftLMModule
+
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=3",
+                              "trainer.max_steps=9", "methods.draft.init=random"))
+
+    def crash(self, outputs, batch, batch_idx):
+        if self.global_step == 7:
+            raise RuntimeError("killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(DraftLMModule, "on_train_batch_end", crash, raising=False)
+        with pytest.raises(RuntimeError, match="killed"):
+            train_stage.run(cfg)
+    ckpts = tmp_path / "checkpoints/draft"
+    newest = (ckpts / "last.ckpt").resolve()
+    older = ckpts / "step3.ckpt"
+    shutil.copy(newest, older)  # as if the run died between writing step 6 and removing step 3
+    os.utime(older, (1, 1))
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    assert train_stage.run(cfg)["steps"] == 9
+    assert "resuming from the newest whole checkpoint" in caplog.text and "step3.ckpt" in caplog.text
+    # with no whole checkpoint left: an error that says what to delete, and the damaged file kept
+    with monkeypatch.context() as m:
+        m.setattr(DraftLMModule, "on_train_batch_end", crash, raising=False)
+        with pytest.raises(RuntimeError, match="killed"):
+            train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=3",
+                                                "trainer.max_steps=9", "methods.draft.init=random", "seed=5")))
+    for p in ckpts.glob("step*.ckpt"):
+        p.write_bytes(p.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match=rf"damaged .*Delete {ckpts}"):
+        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=3",
+                                            "trainer.max_steps=9", "methods.draft.init=random", "seed=5")))

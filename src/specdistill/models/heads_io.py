@@ -37,20 +37,47 @@ def read_settings(path: str | Path | None) -> dict[str, Any]:
 
 
 def read_heads(path: str | Path, config_cls: type, config_file: str, weights_file: str, error: type[Exception],
-               what: str, stage: str, target_fingerprint: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(config, tensors) of a heads folder; `error` when it is missing or was trained on another target:
-    heads read the target's hidden states, so another target's heads are noise."""
+               what: str, stage: str, target_fingerprint: str | None = None,
+               target: nn.Module | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(config, tensors) of a heads folder; `error` when it is missing, unreadable, or made for another target:
+    heads read the target's hidden states, so another target's heads are noise. Heads saved without a
+    fingerprint are still checked against `target`'s width and vocabulary, which a matmul would otherwise
+    find much later and less clearly."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     if not (path / config_file).exists():
         raise error(f"no {what} at {path}: train it first (`dvc repro {stage}`) or fix the path in the config")
-    cfg = config_cls(**json.loads((path / config_file).read_text()))
+    try:
+        cfg = config_cls(**json.loads((path / config_file).read_text()))
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+        raise error(f"{path / config_file} is not a {what} config ({e}): retrain (`dvc repro {stage}`)") from None
     trained_on = getattr(cfg, "target_fingerprint", None)
     if target_fingerprint and trained_on and trained_on != target_fingerprint:
         raise error(f"the {what} at {path} was trained on target {trained_on}, not this one ({target_fingerprint}): "
                     f"it reads the target's hidden states, so retrain it (`dvc repro {stage}`)")
-    return cfg, load_file(str(path / weights_file))
+    if target is not None:
+        width, vocab = target.config.hidden_size, target.get_input_embeddings().weight.shape[0]
+        if (cfg.hidden_size, cfg.vocab_size) != (width, vocab):
+            raise error(f"the {what} at {path} are for a target of width {cfg.hidden_size} and vocabulary "
+                        f"{cfg.vocab_size}; this target has {width} and {vocab}: train heads for it "
+                        f"(`dvc repro {stage}`)")
+    try:
+        return cfg, load_file(str(path / weights_file))
+    except (SafetensorError, OSError) as e:
+        raise error(f"{path / weights_file} is not a readable safetensors file ({e}): it was cut off or damaged; "
+                    f"retrain (`dvc repro -f {stage}`) or restore it (`dvc checkout`)") from None
+
+
+def load_state(module: nn.Module, state: dict[str, torch.Tensor], path: str | Path, what: str, stage: str,
+               error: type[Exception]) -> None:
+    """`module.load_state_dict(state)` with an error that names the folder when the shapes disagree."""
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as e:
+        raise error(f"the weights at {path} do not fit the {what} their config describes ({str(e).splitlines()[0]} "
+                    f"...): the folder mixes two trainings; retrain (`dvc repro -f {stage}`)") from None
 
 
 def parameter_bytes(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from specdistill.io import atomic_path
-from specdistill.models.heads_io import read_heads, write_heads
+from specdistill.models.heads_io import load_state, read_heads, write_heads
 
 CONFIG_FILE = "medusa_config.json"
 WEIGHTS_FILE = "medusa.safetensors"
@@ -108,12 +108,14 @@ def save_medusa(heads: MedusaHeads, out_dir: str | Path, extra: dict[str, Any] |
             (tmp / TREE_FILE).write_text(json.dumps(trees, indent=2, sort_keys=True) + "\n")
 
 
-def load_medusa(path: str | Path, dtype: torch.dtype = torch.float32, target_fingerprint: str | None = None) -> MedusaHeads:
-    """Heads saved by `save_medusa`; refused when they were trained on another target."""
+def load_medusa(path: str | Path, dtype: torch.dtype = torch.float32, target_fingerprint: str | None = None,
+                target: nn.Module | None = None) -> MedusaHeads:
+    """Heads saved by `save_medusa`; refused when they were trained on another target (by its fingerprint,
+    and by `target`'s width and vocabulary when given)."""
     cfg, state = read_heads(path, MedusaConfig, CONFIG_FILE, WEIGHTS_FILE, MedusaError, "Medusa heads",
-                            "train@medusa", target_fingerprint)
+                            "train@medusa", target_fingerprint, target)
     heads = MedusaHeads(cfg, d2t=state.get("d2t"))
-    heads.load_state_dict(state)
+    load_state(heads, state, path, "Medusa heads", "train@medusa", MedusaError)
     return heads.to(dtype).eval().requires_grad_(False)
 
 

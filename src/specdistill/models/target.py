@@ -127,6 +127,26 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
     return AutoTokenizer.from_pretrained(cfg.name_or_path, **kw)
 
 
+def context_length(config: Any) -> int | None:
+    """The positions the target was trained for (`max_position_embeddings`), or None when it does not say."""
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(n) if n else None
+
+
+def load_target_config(cfg: TargetConfig) -> Any:
+    """The target's HF config alone (for its context length and widths), without loading its weights."""
+    from transformers import AutoConfig
+
+    kw: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
+    if cfg.gguf_file:
+        kw["gguf_file"] = cfg.gguf_file
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, **kw)
+    except OSError as e:
+        raise TargetError(f"cannot read the config of target '{cfg.name_or_path}': {e}. Run the fetch_assets "
+                          "stage first, or point target.name_or_path at a local model folder") from e
+
+
 def load_target(cfg: TargetConfig | dict[str, Any]) -> Target:
     """Load and freeze the target described by `cfg` (see conf/target/)."""
     from transformers import AutoModelForCausalLM

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from specdistill import hardware
-from specdistill.outputs import MARKER, check_paths, check_replaceable, plain_name
+from specdistill.outputs import MARKER, check_files, check_paths, check_replaceable, lock_output, plain_name
 
 T = TypeVar("T")
 
@@ -78,10 +78,14 @@ def _in_range(v: Any, interval: str) -> bool:
 
 
 def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
-                  replaced: dict[str, Path] | None = None, fingerprinted: dict[str, Path] | None = None) -> None:
+                  replaced: dict[str, Path] | None = None, fingerprinted: dict[str, Path] | None = None,
+                  files: dict[str, Path] | None = None, locked: dict[str, Path] | None = None) -> None:
     """At a stage's start, before any model loads: the names that become paths are plain names, no `paths.*`
     folder is the project or above it, and every folder the stage will replace whole is one a stage wrote
     (`replaced`: the marker of `io.atomic_path`; `fingerprinted`: a resumable output's FINGERPRINT).
+    `files`: output files, checked to be writable (no folder in their place, no file where their folder goes).
+    Every output named (and `locked`: outputs a stage only adds to) is then locked for the rest of the run
+    (`outputs.lock_output`).
     Keys are the config keys to name in the error."""
     plain_name(cfg.get("experiment_name", "default"), "experiment_name")
     for key, value in (names or {}).items():
@@ -91,6 +95,10 @@ def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
         check_replaceable(folder, key, (MARKER,))
     for key, folder in (fingerprinted or {}).items():
         check_replaceable(folder, key, ("FINGERPRINT",))
+    check_files(files or {})
+    for key, path in [*(replaced or {}).items(), *(fingerprinted or {}).items(), *(files or {}).items(),
+                      *(locked or {}).items()]:
+        lock_output(path, key)  # held to the end of the run: a second run on the same output is refused
 
 
 def setup_logging() -> None:

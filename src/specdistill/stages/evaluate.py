@@ -172,7 +172,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
     check_outputs(cfg, names={"eval.name": name},
-                  replaced={"eval.name": Path((cfg.get("paths") or {}).get("plots_dir", "plots")) / name})
+                  replaced={"eval.name": Path((cfg.get("paths") or {}).get("plots_dir", "plots")) / name},
+                  files={"eval.name": Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"})
     # the prompts first: a missing split or an overlapping dev set fails before the target loads
     data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
             for name in ecfg.datasets}
@@ -189,7 +190,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if ecfg.method == "medusa":  # fail on missing heads or tree before any decoding
         if not ecfg.medusa_path:
             raise ConfigError("eval.method=medusa needs eval.medusa_path (train@medusa writes models/medusa)")
-        heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint).to(target.device)
+        heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint,
+                            target=model).to(target.device)
         choices = medusa_choices(ecfg)
     eagle_depth = 0 if eagle is None else max(eagle.tree.k, eagle.tree.depth, len(eagle.tree.branching or []))
     max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, heads.num_heads if heads else 0, eagle_depth)

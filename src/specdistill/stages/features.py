@@ -38,7 +38,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     dcfg = section(DataConfig, dict(cfg["distill"]["data"]), "distill.data")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     generated, out = Path(cfg["paths"]["generated_dir"]), Path(cfg["paths"]["features_dir"])
-    check_outputs(cfg)
+    check_outputs(cfg, locked={"paths.features_dir": out})
     stamp = generated / "FINGERPRINT"
     if not stamp.exists():
         raise DataError(f"no generated data at {generated}: run the generate stage first (dvc repro generate)")

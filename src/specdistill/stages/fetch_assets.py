@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from specdistill.assets import AssetsConfig, fetch_all, parse_assets
@@ -15,7 +16,7 @@ log = logging.getLogger(__name__)
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     acfg = section(AssetsConfig, dict(cfg["assets"]), "assets")
     assets = parse_assets(acfg.items)  # every field checked before pip or the disk sees it
-    check_outputs(cfg)
+    check_outputs(cfg, locked={"assets.dir": Path(acfg.dir)})
     with wandb_run(cfg.get("logger"), job_type="fetch_assets", group=cfg.get("experiment_name", "default"),
                    config=cfg) as run_:
         record = fetch_all(assets, acfg.dir, acfg.pip_args)

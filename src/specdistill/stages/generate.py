@@ -29,7 +29,7 @@ from specdistill.data.generation import (
     write_shard,
 )
 from specdistill.io import write_json
-from specdistill.models.target import TargetConfig, load_target
+from specdistill.models.target import TargetConfig, context_length, load_target
 from specdistill.stages.common import check_outputs, environment, section
 from specdistill.tracking import wandb_run
 
@@ -41,7 +41,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     prompts_dir, out = Path(cfg["paths"]["prompts_dir"]), Path(cfg["paths"]["generated_dir"])
     timing_file = Path(cfg["paths"]["metrics_dir"]) / "generate.json"
-    check_outputs(cfg, fingerprinted={"paths.generated_dir": out})
+    check_outputs(cfg, fingerprinted={"paths.generated_dir": out}, files={"paths.metrics_dir": timing_file})
     splits = {}
     for split in gcfg.splits:
         if not (prompts_dir / split).exists():
@@ -51,6 +51,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             raise GenerationError(f"prompt split {split} is empty: check the data config")
 
     target = load_target(tcfg)
+    check_context(splits, gcfg.max_new_tokens, context_length(target.config))  # before any shard is touched
     fingerprint = gcfg.fingerprint({"target": target.fingerprint, "dtype": tcfg.dtype,
                                     "prompts": {s: content_hash(d) for s, d in splits.items()}})
     prepare_output(out, fingerprint)
@@ -110,6 +111,20 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     log.info("generated %d new tokens in %.1f s (%.1f tokens/s); totals %s", new_tokens, elapsed,
              new_tokens / max(elapsed, 1e-9), counts)
     return manifest
+
+
+def check_context(splits: dict[str, Any], max_new_tokens: int, context: int | None) -> None:
+    """Every prompt and its longest answer fit in the target's context: past it the positions are ones the
+    target never saw, and the data would teach the draft what the target does out of its range."""
+    if context is None:
+        return
+    for split, ds in splits.items():
+        longest = max(ds["prompt_tokens"]) if "prompt_tokens" in ds.column_names else 0
+        if longest + max_new_tokens > context:
+            raise GenerationError(
+                f"split {split}: its longest prompt has {longest} tokens, and with generate.max_new_tokens="
+                f"{max_new_tokens} an answer would reach {longest + max_new_tokens} positions, past the target's "
+                f"context of {context}. Lower data.max_prompt_tokens (and rerun prepare) or generate.max_new_tokens")
 
 
 def kept_timing(path: Path, fingerprint: str, out: Path, plan: list[tuple[str, int, range]]) -> dict[str, Any]:

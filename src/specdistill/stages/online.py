@@ -124,7 +124,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     models_dir = Path(cfg["paths"].get("models_dir", "models"))
     check_outputs(cfg, names={"online.method": ocfg.method},
                   replaced={"online.method": models_dir / f"online_{ocfg.method}",
-                            "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"})
+                            "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"},
+                  files={"online.method": Path(cfg["paths"].get("metrics_dir", "metrics")) / f"online_{ocfg.method}.json"})
     path = ocfg.draft_path or str(models_dir / ocfg.method)
     if not Path(path).exists():
         raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` or set online.draft_path")

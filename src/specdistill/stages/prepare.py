@@ -18,7 +18,7 @@ from specdistill.data.prompts import (
     read_sharegpt_json,
 )
 from specdistill.io import save_dataset, write_json
-from specdistill.models.target import TargetConfig, load_tokenizer
+from specdistill.models.target import TargetConfig, context_length, load_target_config, load_tokenizer
 from specdistill.stages.common import check_outputs, section
 from specdistill.tracking import wandb_run
 
@@ -38,16 +38,23 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     src = section(SourceConfig, dict(dcfg.pop("source")), "data.source")
     pcfg = section(PrepareConfig, dcfg, "data", source=src)
     out = Path(cfg["paths"]["prompts_dir"])
-    check_outputs(cfg)
-    tokenizer = load_tokenizer(section(TargetConfig, dict(cfg["target"]), "target"))
+    check_outputs(cfg, locked={"paths.prompts_dir": out})
+    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    context = context_length(load_target_config(tcfg))
+    if context is not None and pcfg.max_prompt_tokens >= context:
+        raise PromptError(f"data.max_prompt_tokens={pcfg.max_prompt_tokens} leaves no room for an answer in the "
+                          f"target's context of {context} positions: lower it (the answer needs "
+                          "generate.max_new_tokens more)")
+    tokenizer = load_tokenizer(tcfg)
     with wandb_run(cfg.get("logger"), job_type="prepare", group=cfg.get("experiment_name", "default"),
                    config=cfg) as run_:
-        summary = _prepare(src, pcfg, tokenizer, out)
+        summary = _prepare(src, pcfg, tokenizer, out, context)
         run_.summary.update({f"prepare/{k}_prompts": v["prompts"] for k, v in summary["splits"].items()})
     return summary
 
 
-def _prepare(src: SourceConfig, pcfg: PrepareConfig, tokenizer: Any, out: Path) -> dict[str, Any]:
+def _prepare(src: SourceConfig, pcfg: PrepareConfig, tokenizer: Any, out: Path,
+             context: int | None = None) -> dict[str, Any]:
     if src.kind == "sharegpt_json":
         pairs = read_sharegpt_json(src.path)
     elif src.kind == "datasets":
@@ -59,6 +66,12 @@ def _prepare(src: SourceConfig, pcfg: PrepareConfig, tokenizer: Any, out: Path) 
               "mtbench": mtbench_rows(pcfg.mtbench_path, tokenizer, pcfg.num_mtbench),
               "humaneval": humaneval_rows(pcfg.humaneval_path, tokenizer, pcfg.num_humaneval)}
     summary: dict[str, Any] = {"filter": stats, "splits": {}}
+    for name in ("mtbench", "humaneval"):  # benchmark prompts are not cut to max_prompt_tokens, only to fit at all
+        fits = [r for r in splits[name] if context is None or r["prompt_tokens"] < context]
+        if len(fits) < len(splits[name]):
+            log.warning("%s: dropped %d prompt(s) longer than the target's context of %d positions",
+                        name, len(splits[name]) - len(fits), context)
+        splits[name] = fits
     for name, rows in splits.items():
         save_split(rows, out / name)
         n_tok = sum(r["prompt_tokens"] for r in rows)

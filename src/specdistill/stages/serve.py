@@ -44,7 +44,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     paths = cfg.get("paths") or {}
     name = f"serve_{scfg.method}"
     metrics_file, plots = Path(paths.get("metrics_dir", "metrics")) / f"{name}.json", Path(paths.get("plots_dir", "plots")) / name
-    check_outputs(cfg, replaced={"serve.method": plots})
+    check_outputs(cfg, replaced={"serve.method": plots}, files={"serve.method": metrics_file})
     target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / scfg.method
     drafted = scfg.method != "ngram"  # ngram drafts from the context: nothing exported
     for need, stage in ((target_dir, "export@target"), *(((draft_dir, f"export@{scfg.method}"),) if drafted else ())):

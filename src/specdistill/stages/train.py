@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import warnings
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,15 +120,41 @@ def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str, output
 
 
 def resume_point(ckpt_dir: Path, stamp: str) -> tuple[str | None, str | None]:
-    """(`last.ckpt`, W&B run id) of an interrupted run of the same configuration, else (None, None).
+    """(checkpoint, W&B run id) of an interrupted run of the same configuration, else (None, None).
 
+    `last.ckpt` when it reads whole; else the newest other checkpoint that does (a run killed, or a disk
+    filled, while Lightning wrote a checkpoint leaves a truncated file); a clear error when none does.
     Read-only: every rank decides from the same files before any rank changes them; rank zero
     clears a foreign folder later (`CheckpointDir`), once all processes have started.
     """
     if not has_stamp(ckpt_dir, stamp):
         return None, None
-    last, run_id = ckpt_dir / "last.ckpt", ckpt_dir / "wandb_id"
-    return (str(last) if last.exists() else None), (run_id.read_text().strip() if run_id.exists() else None)
+    run_id_file = ckpt_dir / "wandb_id"
+    run_id = run_id_file.read_text().strip() if run_id_file.exists() else None
+    last = ckpt_dir / "last.ckpt"
+    older = sorted((p for p in ckpt_dir.glob("*.ckpt") if p.name != "last.ckpt" and not p.is_symlink()),
+                   key=lambda p: p.stat().st_mtime, reverse=True)
+    candidates = [p for p in (last, *older) if p.exists()]
+    for i, ckpt in enumerate(candidates):
+        if readable_checkpoint(ckpt):
+            if i:
+                log.warning("%s is damaged (cut off?): resuming from the newest whole checkpoint, %s",
+                            candidates[0], ckpt)
+            return str(ckpt), run_id
+    if candidates:
+        raise ConfigError(f"the checkpoints of this configuration in {ckpt_dir} are damaged "
+                          f"({', '.join(p.name for p in candidates)}: cut off, or a full disk): none can resume. "
+                          f"Delete {ckpt_dir} to train this configuration afresh")
+    return None, run_id
+
+
+def readable_checkpoint(path: Path) -> bool:
+    """Whether a torch checkpoint (a zip archive) reads whole: every member present with its CRC."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return zf.testzip() is None
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return False
 
 
 class CheckpointDir(Callback):
@@ -215,7 +242,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     plan = plan_outputs(cfg, name, label, lcfg.name, dist.output)
     check_outputs(cfg, replaced={"distill.output": plan.model_dir,
                                  **({"paths.plots_dir": plan.plots_dir} if plan.plots_dir else {})},
-                  fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir})
+                  fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir},
+                  files={"paths.metrics_dir": plan.metrics_file})
     generated = Path(cfg["paths"]["generated_dir"])
     data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
 
@@ -357,7 +385,7 @@ def _build_medusa(mcfg: MedusaMethodConfig, size: DraftSize, dcfg: DataConfig, c
     from specdistill.training.medusa import MedusaModule
 
     if mcfg.init_from:
-        heads = load_medusa(mcfg.init_from, target_fingerprint=target.fingerprint).float().train().requires_grad_(True)
+        heads = load_medusa(mcfg.init_from, target_fingerprint=target.fingerprint, target=target.model).float().train().requires_grad_(True)
     else:
         d2t = None
         if mcfg.vocab_size:
