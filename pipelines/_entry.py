@@ -26,8 +26,47 @@ def stage_main(run: Callable[[dict[str, Any]], Any]) -> None:
         setup_logging()
         run(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
 
+    stage = Path(sys.argv[0]).stem
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(stage_help(stage, run))
+        sys.exit(0)
     _check_config_file(sys.argv[1:])
+    if not any(a.startswith("hydra.job.name=") for a in sys.argv[1:]):
+        sys.argv.append(f"hydra.job.name={stage}")  # logs and Hydra's app name: the stage, not `_entry`
     _main()
+
+
+def stage_help(stage: str, run: Callable[..., Any]) -> str:
+    """What the stage does (its module's docstring), what it reads and writes (its dvc.yaml entry), the config
+    groups to choose from, and how to see the whole config."""
+    import yaml
+
+    doc = (sys.modules[run.__module__].__doc__ or "").strip()
+    spec = (yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"] or {}).get(stage, {})
+    body, items = spec.get("do", spec), list(spec.get("foreach") or [])
+    def shown(path: Any) -> str:  # `${item.needs}` -> `<needs>`: what each item names in dvc.yaml
+        return str(path).replace("${key}", "<key>").replace("${item.", "<").replace("}", ">")
+
+    reads = [shown(d) for d in body.get("deps", []) if not str(d).startswith(("src/", "pipelines/"))]
+    writes = [shown(next(iter(o)) if isinstance(o, dict) else o) for key in ("outs", "metrics", "plots")
+              for o in body.get(key, [])]
+    groups = sorted(p.name for p in (ROOT / "conf").iterdir() if p.is_dir())
+    options = {g: sorted(f.stem for f in (ROOT / "conf" / g).glob("*.yaml")) for g in groups}
+    lines = [doc if doc.startswith(stage) else f"{stage}: {doc}", ""]
+    if items:
+        lines += [f"DVC runs it once per item: {', '.join(f'{stage}@{i}' for i in items)} (<key> below; each item's "
+                  "inputs are in dvc.yaml)", ""]
+    lines += ["Reads:  " + (", ".join(map(str, reads)) or "the config only"),
+              "Writes: " + (", ".join(map(str, writes)) or "-"), "",
+              "Config groups (choose with group=option; every key can be set with key=value):"]
+    lines += [f"  {g:<12} {' | '.join(o) or '-'}" for g, o in options.items()]
+    lines += ["", "Usage:",
+              f"  python pipelines/{stage}.py [group=option ...] [key=value ...]     run it by hand (composes conf/)",
+              f"  python pipelines/{stage}.py -m key=a,b                            a sweep (one job per value)",
+              f"  python pipelines/{stage}.py --cfg job                              print the whole composed config",
+              f"  python pipelines/{stage}.py --config-dir . --config-name params    how DVC runs it (params.yaml)",
+              "  --hydra-help                                                   Hydra's own options"]
+    return "\n".join(lines)
 
 
 def _check_config_file(argv: list[str]) -> None:

@@ -20,4 +20,13 @@ if __name__ == "__main__":
         print(__doc__)
         sys.exit(0)
     compose_and_dump(ROOT / "params.yaml", str(ROOT / "conf"), None, "config", str(ROOT), sys.argv[1:])
+    sys.path.insert(0, str(ROOT / "src"))
+    import yaml
+
+    from specdistill.stages.common import ConfigError, cross_limits
+
+    try:
+        cross_limits(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    except ConfigError as e:
+        sys.exit(f"error: {e} (params.yaml was written; fix the experiment or the overrides and compose again)")
     print(f"wrote {ROOT / 'params.yaml'} ({' '.join(sys.argv[1:]) or 'defaults'})")

@@ -114,3 +114,13 @@ def test_a_missing_params_yaml_says_how_to_compose_it(tmp_path):
                            "params"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "params.yaml does not exist: compose it from conf/ with `make params`" in proc.stderr
+
+
+def test_stage_help_says_what_it_does_reads_and_writes():
+    """Issue 31, item 5: `--help` once named the app `_entry` and dumped the 304-line config."""
+    out = subprocess.run([sys.executable, str(ROOT / "pipelines/train.py"), "--help"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.startswith("train@M: distill a draft") and "_entry" not in out
+    assert "train@draft" in out and "Reads:  <data>" in out
+    assert "Writes: models/<key>" in out and "loss         ce | fkl | jsd" in out and "--cfg job" in out
+    assert len(out.splitlines()) < 60

@@ -101,6 +101,19 @@ def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
         lock_output(path, key)  # held to the end of the run: a second run on the same output is refused
 
 
+def cross_limits(cfg: dict[str, Any]) -> None:
+    """Limits that span two sections, checked on the whole config before any model loads (and by
+    `pipelines/compose.py` when it writes params.yaml): a stage that needs more prompts than `prepare` keeps."""
+    data, online = cfg.get("data") or {}, cfg.get("online") or {}
+    if online:
+        key = {"code": "num_humaneval", "chat": "num_val"}.get(online.get("scenario"))
+        have, need = data.get(key) if key else None, int(online.get("requests", 0)) + int(online.get("held_out", 0))
+        if have is not None and need > int(have):
+            raise ConfigError(f"online.requests + online.held_out = {need}, but data.{key} = {have} prompts are prepared "
+                              f"for online.scenario={online.get('scenario')}: lower online.requests / online.held_out "
+                              f"or raise data.{key}")
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "transformers.modeling_utils"):

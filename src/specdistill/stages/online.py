@@ -26,7 +26,7 @@ from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
-from specdistill.stages.common import ConfigError, check_outputs, environment, load_prompts, section
+from specdistill.stages.common import ConfigError, check_outputs, cross_limits, environment, load_prompts, section
 from specdistill.tracking import wandb_run
 from specdistill.training.losses import LossError, build_loss
 
@@ -114,6 +114,7 @@ def offline_replay(cfg: dict[str, Any], ocfg: OnlineConfig, target: Any, module:
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ocfg = section(OnlineConfig, dict(cfg["online"]), "online")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    cross_limits(cfg)
     try:
         build_loss(ocfg.loss)
     except LossError as e:
@@ -129,6 +130,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     path = ocfg.draft_path or str(models_dir / ocfg.method)
     if not Path(path).exists():
         raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` or set online.draft_path")
+    split = {"code": "humaneval", "chat": "val"}[ocfg.scenario]
+    have = len(load_prompts(Path(cfg["paths"]["prompts_dir"]), split))  # the prompts prepare kept, before the target loads
+    if have < ocfg.requests + ocfg.held_out:
+        raise ConfigError(f"online: {ocfg.requests + ocfg.held_out} requests (requests + held_out) but "
+                          f"{cfg['paths']['prompts_dir']}/{split} holds {have} prompts; lower online.requests / "
+                          "online.held_out" + (" or raise data.num_val" if split == "val" else ""))
     target = load_target(tcfg)
     tok = target.tokenizer
     stops, pad_id = stop_ids(target.model, tok), tok.pad_token_id or 0
