@@ -182,7 +182,7 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
                                   f"export.draft_path={served['tmp']}/models/draft_full"))
     m = serve_stage.run(composed(*common, f"serve.method={method}", "serve.k=[2]", "serve.agreement_k=2",
                                  "serve.concurrency=[1,2]", "serve.temperatures=[0.0]", "serve.datasets=[mtbench]",
-                                 "serve.num_prompts=1", "serve.max_new_tokens=16",
+                                 "serve.num_prompts=1", "serve.max_new_tokens=16", "serve.deploy_min_speedup=0",
                                  f"serve.eagle_path={served['tmp']}/models/eagle",
                                  f"serve.draft_path={served['tmp']}/models/draft_full"))
     saved = json.loads((tmp_path / f"metrics/serve_{method}.json").read_text())
@@ -190,6 +190,9 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     cell = saved["results"]["mtbench"]["T0.0"]["c1"]
     assert cell["ar"]["tokens_per_s"] > 0 and cell["k2"]["speedup"] > 0 and cell["k2"]["drafts"] > 0
     assert set(saved["chosen_k"]) == {"c1", "c2"} and saved["chosen_k"]["c1"]["k"] == 2
+    # every K deployed (deploy_min_speedup=0): the engine served the schedule once more, at both loads
+    assert saved["deploy"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 2], [2, 2, 2]]
+    assert set(saved["deploy"]["speedup_geomean"]) == {"c1", "c2"} and cell["scheduled"]["drafts"] > 0
     a = m["agreement"]["mtbench"]
     if method != "ngram":  # float32, the same chain: the same counts (ngram differs by the proposers' match rules)
         assert a["engine"]["accepted_per_pos"] == a["ours"]["accepted_per_pos"], a

@@ -105,3 +105,17 @@ def test_the_separate_draft_exports_only_with_the_full_vocabulary(exported, tmp_
     with pytest.raises(ExportError, match="train@draft_full"):
         export_draft(tmp_path / "reduced", tmp_path / "export_reduced", folder)
     assert not (tmp_path / "export_reduced").exists()
+
+
+def test_the_deployed_schedule_serves_each_load_its_chosen_k():
+    """K per concurrency becomes vLLM's batch-size schedule; 0 where speculation lost; None when it lost everywhere."""
+    from specdistill.engine.serving import deploy_schedule
+
+    class Cfg:
+        method, concurrency, ngram_max, ngram_min = "eagle", [16, 1, 4], 3, 1
+
+    chosen = {"c1": {"deploy_k": 3}, "c4": {"deploy_k": 1}, "c16": {"deploy_k": 0}}
+    spec = deploy_schedule(Cfg(), chosen, "models/export/eagle")
+    assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 3
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4, 1], [5, 16, 0]]
+    assert deploy_schedule(Cfg(), {c: {"deploy_k": 0} for c in chosen}, "x") is None

@@ -40,8 +40,9 @@ class ServeConfig:
     draft_path: str
     timeout_s: int
     seed: int
+    deploy_min_speedup: float  # a load's K goes into the deployed schedule only at this speed-up or more (else 0)
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
-        "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "timeout_s": "[1, inf)", "temperatures": "[0, 2]",
+        "deploy_min_speedup": "[0, inf)", "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "timeout_s": "[1, inf)", "temperatures": "[0, 2]",
         "concurrency": "[1, 256]", "k": "[1, 256]", "max_model_len": "[64, inf)", "ngram_max": "[1, inf)",
         "ngram_min": "[1, inf)"}
 
@@ -150,5 +151,35 @@ def summarise(cfg: ServeConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             xs = [temps[f"c{c}"][f"k{k}"]["speedup"] for ds in table.values() for temps in ds.values()]
             return statistics.geometric_mean(xs)
         best = max(cfg.k, key=score)
-        chosen[f"c{c}"] = {"k": best, "speedup_geomean": round(score(best), 4)}
+        # deploy_k: what to serve at this load; 0 (no speculation) where no K beats the engine alone
+        chosen[f"c{c}"] = {"k": best, "speedup_geomean": round(score(best), 4),
+                           "deploy_k": best if score(best) >= cfg.deploy_min_speedup else 0}
     return {"results": table, "chosen_k": chosen}
+
+
+def deploy_schedule(cfg: ServeConfig, chosen: dict[str, dict[str, Any]], draft_dir: str | None) -> dict[str, Any] | None:
+    """The speculative config to deploy: vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`,
+    inclusive ranges) built from the K chosen at each measured concurrency, K = 0 where speculation lost.
+    Concurrency c_i covers the batch sizes above c_(i-1) up to c_i; the last range reaches the largest
+    concurrency and vLLM carries it beyond. None when speculation loses at every load."""
+    levels = sorted(cfg.concurrency)
+    ks = [int(chosen[f"c{c}"]["deploy_k"]) for c in levels]
+    if not any(ks):
+        return None
+    schedule, start = [], 1
+    for c, k in zip(levels, ks, strict=True):
+        schedule.append([start, c, k])
+        start = c + 1
+    return {**speculative_config(cfg, max(ks), draft_dir), "num_speculative_tokens_per_batch_size": schedule}
+
+
+def scheduled_speedups(cfg: ServeConfig, table: dict[str, Any]) -> dict[str, float]:
+    """The deployed schedule's speed-up over the engine alone at each concurrency (geomean over datasets and
+    temperatures): what a user serving it gets, measured in one engine start."""
+    out = {}
+    for c in cfg.concurrency:
+        xs = [temps[f"c{c}"]["scheduled"]["speedup"] for ds in table.values() for temps in ds.values()
+              if "scheduled" in temps[f"c{c}"]]
+        if xs:
+            out[f"c{c}"] = round(statistics.geometric_mean(xs), 4)
+    return out

@@ -31,10 +31,11 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
              "Speed-up: output tokens/s over the same engine without speculation on the same requests; "
              "tau = 1 + accepted / drafts from the engine's own counters. K is chosen per concurrency "
              "(best geometric-mean speed-up over datasets and temperatures); where no K beats the engine alone, "
-             "the choice is to serve without speculation at that load (\"off\", 1.00x; vLLM 0.32 takes such a "
-             "schedule as `num_speculative_tokens_per_batch_size`).", ""]
-    lines += ["| method | concurrency | K chosen | speed-up (geomean) | " + " | ".join(
-        f"K={k}" for k in any_s.get("k", [])) + " |", "|---|---|---|---|" + "---|" * len(any_s.get("k", []))]
+             "the choice is to serve without speculation at that load (\"off\"). Those choices make one schedule "
+             "(vLLM's `num_speculative_tokens_per_batch_size`), served once more at every load: the \"deployed\" "
+             "column is what a user serving it gets.", ""]
+    lines += ["| method | concurrency | K chosen | speed-up (geomean) | deployed | " + " | ".join(
+        f"K={k}" for k in any_s.get("k", [])) + " |", "|---|---|---|---|---|" + "---|" * len(any_s.get("k", []))]
     for method, m in serve.items():
         ks = m["settings"].get("k", [])
         for c, chosen in sorted(m["chosen_k"].items(), key=lambda kv: int(kv[0][1:])):  # c1, c4, c16
@@ -44,7 +45,14 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
                 per_k.append(f"{statistics.geometric_mean(xs):.2f}x")
             pick = (f"{chosen['k']} | {chosen['speedup_geomean']:.2f}x" if chosen["speedup_geomean"] >= 1.0 else
                     f"off (best K={chosen['k']}: {chosen['speedup_geomean']:.2f}x) | 1.00x")
-            lines.append(f"| {method} | {c[1:]} | {pick} | " + " | ".join(per_k) + " |")
+            deployed = (m.get("deploy") or {}).get("speedup_geomean", {}).get(c)
+            shown = f"{deployed:.2f}x" if deployed is not None else "-"
+            lines.append(f"| {method} | {c[1:]} | {pick} | {shown} | " + " | ".join(per_k) + " |")
+    for method, m in serve.items():
+        spec = (m.get("deploy") or {}).get("speculative_config")
+        if spec:
+            lines += ["", f"To serve {method} as measured: `vllm serve models/export/target --speculative-config "
+                      f"'{json.dumps(spec)}'` (the draft path as exported)."]
     lines += ["", "At the best K, per dataset and temperature:", "",
               "| method | dataset | T | c | K | tau | alpha_pos1 | tokens/s | engine alone | speed-up | p50 latency (s) | alone |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -100,6 +108,10 @@ def serving_figure(serve: dict[str, dict[str, Any]], path: Path) -> None:
             ys = [statistics.geometric_mean([t[f"c{c}"][f"k{k}"]["speedup"] for ds in m["results"].values()
                                              for t in ds.values()]) for c in conc]
             ax.plot(conc, ys, marker="o", label=f"{method}, K={k}")
+        deployed = (m.get("deploy") or {}).get("speedup_geomean", {})
+        if deployed:
+            ax.plot(conc, [deployed.get(f"c{c}", float("nan")) for c in conc], marker="s", lw=2.2, color="black",
+                    alpha=0.8 if len(serve) == 1 else 0.5, label=f"{method}, deployed schedule")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ticks = sorted({int(c[1:]) for m in serve.values() for c in m["chosen_k"]})

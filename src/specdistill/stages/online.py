@@ -26,7 +26,14 @@ from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
-from specdistill.stages.common import ConfigError, check_outputs, cross_limits, environment, load_prompts, section
+from specdistill.stages.common import (
+    ConfigError,
+    check_outputs,
+    cross_limits,
+    environment,
+    load_prompts,
+    section,
+)
 from specdistill.tracking import wandb_run
 from specdistill.training.losses import LossError, build_loss
 

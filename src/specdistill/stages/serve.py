@@ -22,9 +22,11 @@ from specdistill.engine.client import engine_python, run_engine
 from specdistill.engine.serving import (
     ServeConfig,
     acceptance,
+    deploy_schedule,
     engine_counts,
     job,
     prompt_requests,
+    scheduled_speedups,
     speculative_config,
     summarise,
 )
@@ -74,6 +76,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                                        **engine_kw)
         log.info("engine: %s cold start %.0f s", setting, results[setting]["cold_start_s"])
     summary = summarise(scfg, results)
+    deploy = deploy_schedule(scfg, summary["chosen_k"], str(draft_dir) if drafted else None)
+    if deploy is not None and len(scfg.concurrency) > 1:  # the schedule as deployed: one more start, every load
+        log.info("engine: the chosen schedule %s", deploy["num_speculative_tokens_per_batch_size"])
+        results["scheduled"] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, deploy, max_model_len),
+                                          **engine_kw)
+        summary = summarise(scfg, results)
+    summary["deploy"] = {"speculative_config": deploy,
+                         "speedup_geomean": scheduled_speedups(scfg, summary["results"]) if deploy else {}}
     agreement = ours_beside_engine(scfg, tcfg, prompts, results) if 0.0 in map(float, scfg.temperatures) else {}
     first = next(iter(results.values()))
     metrics = {"settings": {**environment(), **asdict(scfg), "engine": "vllm", "vllm": first["vllm"], "engine_torch": first["torch"],
@@ -158,7 +168,7 @@ def write_plots(folder: Path, summary: dict[str, Any], agreement: dict[str, Any]
                     for c, cell in cells.items():
                         for setting, row in cell.items():
                             if setting != "ar":
-                                w.writerow([ds, t[1:], c[1:], setting[1:], row["tokens_per_s"], row["speedup"],
+                                w.writerow([ds, t[1:], c[1:], setting.removeprefix("k"), row["tokens_per_s"], row["speedup"],
                                             row.get("tau")])
         with open(tmp / "agreement.csv", "w", newline="") as f:
             w = csv.writer(f)
