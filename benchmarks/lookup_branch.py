@@ -30,10 +30,11 @@ from specdistill.decoding.medusa import MedusaProposer
 from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.runner import our_method, run_benchmark
+from specdistill.methods.medusa import choices as medusa_choices
 from specdistill.models.eagle import load_eagle
 from specdistill.models.medusa import load_medusa
 from specdistill.models.target import load_target
-from specdistill.stages.evaluate import SPLITS, EvalConfig, chat_encoder, load_conversations, medusa_choices
+from specdistill.stages.evaluate import SPLITS, EvalConfig, chat_encoder, load_conversations
 
 DEFAULT = ["eagle", "lookup", "u:8:4:1", "u:8:8:1", "u:8:8:2", "u:8:12:1", "u:6:8:1", "u:12:8:1"]
 

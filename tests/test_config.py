@@ -39,11 +39,12 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     # the training sections too: a bad one must fail at start, not after the target has loaded
     from specdistill.data.datamodule import DataConfig
     from specdistill.models.draft_lm import DraftSize
-    from specdistill.stages.train import METHOD_CONFIGS, DistillConfig, LossConfig
+    from specdistill import methods
+    from specdistill.stages.train import DistillConfig, LossConfig
     from specdistill.training.losses import build_loss
 
     for name, method in cfg["methods"].items():
-        section(METHOD_CONFIGS[name], method, f"methods.{name}")
+        section(methods.get(name, "train").config, method, f"methods.{name}")
     section(DraftSize, cfg["draft"], "draft")
     loss = section(LossConfig, cfg["loss"], "loss")
     build_loss(loss.name, loss.temperature, **loss.params)

@@ -123,8 +123,8 @@ def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_di
     assert metrics["settings"]["lookup_branch"] is True and metrics["settings"]["lookup_branches"] == 2
     t0 = greedy_texts(tmp_path / "plots/eagle_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
-    bad = [({"method": "lookup"}, "the chain alone"), ({"eagle_tree": {"shape": "chain"}}, "an EAGLE chain drafts by sampling"),
-           ({"method": "draft"}, r"a draft LM chain drafts by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram"),
+    bad = [({"method": "lookup"}, "the chain alone"), ({"eagle_tree": {"shape": "chain"}}, r"method=eagle drafts a chain by sampling.*shape=dynamic"),
+           ({"method": "draft"}, r"method=draft drafts a chain by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram"),
            ({"lookup_branches": 0}, r"eval\.lookup_branches=0`: must be in \[1, 64\]")]
     for change, message in bad:
         with pytest.raises(ConfigError, match=message):
@@ -149,5 +149,5 @@ def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic(
     EvalConfig(method="draft", lookup_branch=True, tree=[2, 2], temperatures=[0.0, 1.0])  # a top-k tree
     EvalConfig(method="medusa", lookup_branch=True, temperatures=[0.0, 1.0])  # Medusa's tree is top-ranked tokens
     EvalConfig(method="eagle", lookup_branch=True, eagle_tree={"shape": "chain"}, temperatures=[0.0])
-    with pytest.raises(ConfigError, match="a draft LM chain drafts by sampling"):
+    with pytest.raises(ConfigError, match="method=draft drafts a chain by sampling"):
         EvalConfig(method="draft", lookup_branch=True, temperatures=[1.0])

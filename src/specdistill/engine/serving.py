@@ -13,9 +13,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from specdistill.stages.common import ConfigError
-
-METHODS = ("eagle", "ngram", "draft")
+from specdistill import methods
+from specdistill.errors import ConfigError
 
 
 @dataclass
@@ -51,7 +50,7 @@ class ServeConfig:
             if not ok:
                 raise ConfigError(f"serve.{key}={value!r}: {rule}")
 
-        need(self.method in METHODS, "method", self.method, f"use one of {METHODS}")
+        need(self.method in methods.names("serve"), "method", self.method, f"use one of {methods.names('serve')}")
         need(bool(self.datasets) and set(self.datasets) <= {"mtbench", "humaneval"}, "datasets", self.datasets,
              "a non-empty list of mtbench, humaneval")
         for key in ("temperatures", "concurrency", "k"):  # types and ranges: `section`; here what it cannot say
@@ -68,12 +67,8 @@ def prompt_requests(prompts: list[list[int]], concurrency: int) -> list[list[int
 
 
 def speculative_config(cfg: ServeConfig, k: int, draft_dir: str | None) -> dict[str, Any]:
-    if cfg.method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": cfg.ngram_max,
-                "prompt_lookup_min": cfg.ngram_min}
-    if cfg.method == "draft":
-        return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
-    return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
+    """vLLM's `speculative_config` for the method at K drafted tokens (the method's `engine` part)."""
+    return methods.get(cfg.method, "serve", "serve.method").engine(cfg, k, draft_dir)
 
 
 def job(cfg: ServeConfig, target_dir: str, prompts: dict[str, list[list[int]]], stops: list[int], dtype: str,

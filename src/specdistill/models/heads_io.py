@@ -36,6 +36,17 @@ def read_settings(path: str | Path | None) -> dict[str, Any]:
     return json.loads(meta.read_text()) if meta is not None and meta.exists() else {}
 
 
+def training_summary(path: str | Path | None) -> dict[str, Any] | None:
+    """How a trained draft or heads folder was made (method, size, loss, init, data), from its settings file."""
+    s = read_settings(path)
+    if not s:
+        return None
+    method = s.get("method", {}).get("name", "draft")
+    return {"method": method, "draft_size": s.get("draft", {}).get("name") if method == "draft" else None,
+            "loss": s.get("loss", {}).get("name"), "init": s.get("method", {}).get("init"),
+            "data": s.get("distill", {}).get("data", {}).get("source")}
+
+
 def read_heads(path: str | Path, config_cls: type, config_file: str, weights_file: str, error: type[Exception],
                what: str, stage: str, target_fingerprint: str | None = None,
                target: nn.Module | None = None) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -37,8 +37,10 @@ class OnlineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("draft", "eagle"):
-            raise ValueError(f"online.method={self.method!r}: use draft or eagle")
+        from specdistill import methods
+
+        if self.method not in methods.names("online"):
+            raise ValueError(f"online.method={self.method!r}: use one of {methods.names('online')}")
         if self.scenario not in ("code", "chat"):
             raise ValueError(f"online.scenario={self.scenario!r}: use code or chat")
         if min(self.requests, self.update_every, self.steps, self.batch_size, self.window, self.patience) < 1:

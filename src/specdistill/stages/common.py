@@ -13,13 +13,10 @@ from typing import Any, TypeVar
 import torch
 
 from specdistill import hardware
+from specdistill.errors import ConfigError  # noqa: F401 (re-exported: stages raise it)
 from specdistill.outputs import MARKER, check_files, check_paths, check_replaceable, lock_output, plain_name
 
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config section has unknown or missing keys."""
 
 
 def section(cls: type[T], values: dict[str, Any], where: str, **extra: Any) -> T:

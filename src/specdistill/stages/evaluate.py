@@ -14,24 +14,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from specdistill import methods
 from specdistill.data.generation import stop_ids
-from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-from specdistill.decoding.medusa import MedusaProposer, grow_tree, sort_choices
-from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
+from specdistill.decoding.eagle import EagleTreeConfig
+from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
 from specdistill.io import atomic_path, write_json
-from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
-from specdistill.models.eagle import load_eagle
-from specdistill.models.heads_io import parameter_bytes, read_settings
-from specdistill.models.medusa import load_medusa, load_trees
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, check_outputs, environment, load_prompts, section
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
-METHODS = ("draft", "medusa", "eagle", "lookup")
 SPLITS = ("test", "dev")
 
 
@@ -78,52 +73,27 @@ class EvalConfig:
         "lookup_branches": "[1, 64]", "capacity": "[64, inf)"}
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"eval.method={self.method!r}: use one of {METHODS}")
+        methods.get(self.method, "evaluate", "eval.method")
         if self.split not in SPLITS:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
         try:
-            tree = EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
+            EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
         except (TypeError, ValueError) as e:
             raise ConfigError(f"eval.eagle_tree: {e}") from e
         if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram or self.lookup_k < 1 or self.lookup_branches < 1:
             raise ConfigError(f"eval.lookup_*: need 1 <= lookup_min_ngram ({self.lookup_min_ngram}) <= lookup_max_ngram "
                               f"({self.lookup_max_ngram}), lookup_k >= 1 ({self.lookup_k}) and lookup_branches >= 1 "
                               f"({self.lookup_branches})")
-        if self.lookup_branch and self.method == "lookup":
-            raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: set eval.method to "
-                              "draft, medusa or eagle, or eval.lookup_branch=false (method=lookup is the chain alone)")
-        sampled_chain = {"eagle": tree.shape == "chain", "draft": not self.tree}.get(self.method, False)
-        if self.lookup_branch and sampled_chain and any(t > 0 for t in self.temperatures):
-            fix = "eval.eagle_tree.shape=dynamic (or static)" if self.method == "eagle" else "eval.tree=[...] (a top-k tree)"
-            chain = {"eagle": "an EAGLE", "draft": "a draft LM"}[self.method]
-            raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but {chain} chain drafts by "
-                              f"sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
-
-
-def draft_training(path: str | None) -> dict[str, Any] | None:
-    """How a trained draft was made (size, loss, data), from the file train@draft writes beside it."""
-    s = read_settings(path)
-    if not s:
-        return None
-    method = s.get("method", {}).get("name", "draft")
-    return {"method": method, "draft_size": s.get("draft", {}).get("name") if method == "draft" else None, "loss": s.get("loss", {}).get("name"),
-            "init": s.get("method", {}).get("init"), "data": s.get("distill", {}).get("data", {}).get("source")}
-
-
-def medusa_choices(ecfg: EvalConfig) -> list[tuple[int, ...]]:
-    """The Medusa tree to verify: explicit choices, the saved tree of `medusa_budget` nodes, or one grown
-    to that budget from the per-rank accuracies saved beside the heads."""
-    if ecfg.medusa_choices:
-        return sort_choices(ecfg.medusa_choices)
-    saved = load_trees(ecfg.medusa_path)
-    if str(ecfg.medusa_budget) in saved["trees"]:
-        return sort_choices(saved["trees"][str(ecfg.medusa_budget)]["choices"])
-    if "acc" in saved:
-        return grow_tree(saved["acc"], ecfg.medusa_budget)
-    raise ConfigError(f"eval.medusa_budget={ecfg.medusa_budget}: {ecfg.medusa_path} has trees of "
-                      f"{sorted(int(b) for b in saved['trees'])} nodes and no accuracies to grow another; "
-                      "give eval.medusa_choices")
+        if self.lookup_branch:
+            method = methods.get(self.method, "evaluate", "eval.method")
+            if method.sampled_chain is None:
+                raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: set eval.method "
+                                  f"to one of {[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"
+                                  f", or eval.lookup_branch=false (method={self.method} is the chain alone)")
+            fix = method.sampled_chain(self)  # a chain sampled at T > 0 cannot merge with a deterministic tree
+            if fix and any(t > 0 for t in self.temperatures):
+                raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but method={self.method} drafts "
+                                  f"a chain by sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
 
 
 def stratified_order(categories: list[str], from_end: bool = False) -> list[int]:
@@ -181,67 +151,33 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tok, model = target.tokenizer, target.model
     stops = stop_ids(model, tok)
     encode = chat_encoder(tok)
-    heads = choices = eagle = None
-    if ecfg.method == "eagle":
-        if not ecfg.eagle_path:
-            raise ConfigError("eval.method=eagle needs eval.eagle_path (train@eagle writes models/eagle)")
-        eagle = EagleProposer(load_eagle(ecfg.eagle_path, model, dtype=model.dtype, target_fingerprint=target.fingerprint),
-                              EagleTreeConfig(**ecfg.eagle_tree), capacity=ecfg.capacity)
-    if ecfg.method == "medusa":  # fail on missing heads or tree before any decoding
-        if not ecfg.medusa_path:
-            raise ConfigError("eval.method=medusa needs eval.medusa_path (train@medusa writes models/medusa)")
-        heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint,
-                            target=model).to(target.device)
-        choices = medusa_choices(ecfg)
-    eagle_depth = 0 if eagle is None else max(eagle.tree.k, eagle.tree.depth, len(eagle.tree.branching or []))
-    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, heads.num_heads if heads else 0, eagle_depth)
+    # the method's own proposer (missing heads or trees fail here, before any decoding)
+    drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target)
+    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, drafting.max_depth)
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
     lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram, ecfg.lookup_min_ngram, ecfg.lookup_branches)
-    with_lookup = lambda proposer: UnionProposer(proposer, lookup) if ecfg.lookup_branch else proposer  # noqa: E731
-    methods = [ours("ar", None)]
+    spec = drafting.proposer
+    if ecfg.lookup_branch and drafting.lookup_branch:  # the draft and a prompt-lookup chain as one tree
+        spec = UnionProposer(spec, lookup)
+    pad = tok.pad_token_id or 0
+    rows = [ours("ar", None)]
     if ecfg.hf_baselines:
-        methods.append(hf_method("hf_generate", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0))
-    draft_info: dict[str, Any] = {}
-    if ecfg.method == "draft":
-        if ecfg.draft_path:
-            draft = load_draft(ecfg.draft_path, dtype=model.dtype).to(target.device)
-        else:
-            draft = draft_from_target(model, ecfg.draft_layers)
-        check_same_vocabulary(draft, model)
-        reduced = getattr(draft, "d2t", None) is not None
-        draft_info = {"draft": ecfg.draft_path or f"target's first {ecfg.draft_layers} layers",
-                      "draft_parameters": sum(p.numel() for p in draft.parameters()),
-                      "draft_vocab": len(draft.d2t) if reduced else target.vocab_size,
-                      "draft_training": draft_training(ecfg.draft_path)}
-        methods.append(ours("spec", with_lookup(DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree,
-                                                               capacity=ecfg.capacity))))
-        if ecfg.hf_baselines and not reduced:  # HF assisted generation needs the draft's full vocabulary
-            methods.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, tok.pad_token_id or 0,
-                                     assistant=draft, k=ecfg.k))
-        methods.append(ours("lookup", lookup))
-    elif ecfg.method == "medusa":
-        n_params, n_bytes = parameter_bytes(heads, model.dtype)
-        draft_info = {"draft": ecfg.medusa_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
-                      "draft_vocab": heads.cfg.draft_vocab_size or heads.cfg.vocab_size, "medusa_heads": heads.num_heads,
-                      "tree_nodes": len(choices), "medusa_choices": [list(c) for c in choices], "draft_training": draft_training(ecfg.medusa_path)}
-        methods.append(ours("spec", with_lookup(MedusaProposer(heads, choices))))
-    elif ecfg.method == "eagle":
-        n_params, n_bytes = parameter_bytes(eagle.head, model.dtype)
-        draft_info = {"draft": ecfg.eagle_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
-                      "draft_vocab": eagle.head.cfg.draft_vocab_size or eagle.head.cfg.vocab_size,
-                      "eagle_variant": eagle.head.cfg.variant, "eagle_tree": asdict(eagle.tree),
-                      "draft_training": draft_training(ecfg.eagle_path)}
-        methods.append(ours("spec", with_lookup(eagle)))
-    else:
-        methods.append(ours("spec", lookup))
+        rows.append(hf_method("hf_generate", model, ecfg.max_new_tokens, stops, pad))
+    rows.append(ours("spec", spec))
+    if ecfg.hf_baselines and drafting.assistant is not None:  # HF assisted generation needs the full vocabulary
+        rows.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, pad, assistant=drafting.assistant,
+                              k=ecfg.k))
+    if drafting.lookup_row:
+        rows.append(ours("lookup", lookup))
+    draft_info = drafting.info
 
     group = cfg.get("experiment_name", "default")
     settings = {"method": ecfg.method, **asdict(ecfg), **draft_info, "chain_or_tree": "tree" if ecfg.tree else "chain",
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
     with wandb_run(cfg.get("logger"), job_type=f"evaluate-{name}", group=group, config=cfg) as wb:
-        res = run_benchmark(methods, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
+        res = run_benchmark(rows, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
         metrics = summarise(res, ecfg.method, settings)
         paths = cfg.get("paths") or {}
         write_outputs(metrics, res, name, Path(paths.get("metrics_dir", "metrics")), Path(paths.get("plots_dir", "plots")))

@@ -16,15 +16,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from specdistill.export.draft import export_draft
-from specdistill.export.eagle3 import export_eagle3
+from specdistill import methods
 from specdistill.export.target import ExportError, export_target
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, check_outputs, section
 
 log = logging.getLogger(__name__)
 
-METHODS = ("target", "eagle", "draft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,8 +37,8 @@ class ExportConfig:
     RANGES: ClassVar[dict[str, str]] = {"num_speculative_tokens": "[1, 16]"}  # checked by `section`
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"export.method={self.method!r}: use one of {METHODS}")
+        if self.method != "target":  # the target itself, or a registered method's engine-ready export
+            methods.get(self.method, "export", "export.method")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"export.dtype={self.dtype!r}: use one of {sorted(DTYPES)} or null (the target's)")
 
@@ -54,19 +52,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if ecfg.method != "target" and not (target_dir / "config.json").exists():
         raise ExportError(f"export@{ecfg.method} is checked against the exported target, and {target_dir} is missing: "
                           f"run `dvc repro export@target` first")
-    if ecfg.method == "draft":  # a plain HF folder: the target itself need not load
-        export_draft(ecfg.draft_path, out, target_dir)
-        log.info("wrote %s (vLLM: speculative_config method=draft_model; HF: assistant_model)", out)
-        return {"export": str(out)}
-    target = load_target(tcfg)
     if ecfg.method == "target":
-        dtype = DTYPES[ecfg.dtype or tcfg.dtype]
-        export_target(target.model, target.tokenizer, out, target.fingerprint, dtype=dtype)
-    else:
-        from specdistill.models.eagle import load_eagle
-
-        head = load_eagle(ecfg.eagle_path, target.model, dtype=torch.float32, target_fingerprint=target.fingerprint)
-        export_eagle3(head, out, target_dir, num_speculative_tokens=ecfg.num_speculative_tokens)
-    log.info("wrote %s (serve it: `vllm serve %s`%s)", out, out,
-             "" if ecfg.method == "eagle" else ", or with a draft: export@eagle")
+        target = load_target(tcfg)
+        export_target(target.model, target.tokenizer, out, target.fingerprint, dtype=DTYPES[ecfg.dtype or tcfg.dtype])
+        log.info("wrote %s (serve it: `vllm serve %s`, or with a draft: export@<method>)", out, out)
+    else:  # the method loads the target only if its export needs it
+        methods.get(ecfg.method, "export", "export.method").export(ecfg, out, target_dir, lambda: load_target(tcfg))
+        log.info("wrote %s (serve it beside the target: serve@%s)", out, ecfg.method)
     return {"export": str(out)}

@@ -12,17 +12,16 @@ Writes `metrics/online_<M>.json`, `plots/online_<M>/{curve,updates}.csv` and the
 
 from __future__ import annotations
 
-import copy
 import csv
 import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from specdistill import methods
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.io import atomic_path, write_json
-from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
@@ -51,58 +50,22 @@ def request_prompts(prompts_dir: Path, scenario: str, tokenizer: Any, n: int) ->
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in rows.select(range(n))["prompt"]]
 
 
-def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any, Any, Any]:
-    """(Lightning module with the float32 student, proposer over a serving copy, deploy(), save(dir, requests))."""
-    import torch
-
-    dtype = target.model.dtype
-    if ocfg.method == "draft":
-        from specdistill.decoding.proposers import DraftLMProposer
-        from specdistill.models.draft_lm import check_same_vocabulary, load_draft, save_draft
-        from specdistill.training.draft import DraftLMModule
-
-        draft = load_draft(path).float().to(target.device).requires_grad_(True)
-        check_same_vocabulary(draft, target.model)
-        draft.get_input_embeddings().requires_grad_(False)  # as offline: the target's embeddings stay
-        module = DraftLMModule(target.model, draft, loss=build_loss(ocfg.loss), optimizer=torch.optim.AdamW,
-                               teacher="stored")
-        serving = copy.deepcopy(draft).to(dtype).eval().requires_grad_(False)
-        proposer, student = DraftLMProposer(serving, k=ocfg.k), draft
-
-        def save(out: Path, requests: int) -> None:  # the deployed (serving) copy; d2t came along with deepcopy
-            save_draft(serving, out, extra={"requests": requests})
-    else:
-        from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-        from specdistill.models.eagle import load_eagle, save_eagle
-        from specdistill.training.eagle import EagleModule
-
-        head = load_eagle(path, target.model, target_fingerprint=target.fingerprint).float().train().requires_grad_(True)
-        if head.cfg.variant == "eagle1":
-            head.norm.requires_grad_(False)
-            head.lm_head.requires_grad_(False)
-        trained = read_settings(path).get("method", {})
-        module = EagleModule(target.model, head, ttt_steps=int(trained.get("ttt_steps", 1)),
-                             feature_weight=float(trained.get("feature_weight", 0.0)),
-                             ce_weight=float(trained.get("ce_weight", 1.0)), loss=build_loss(ocfg.loss),
-                             optimizer=torch.optim.AdamW, teacher="live")
-        serving = load_eagle(path, target.model, dtype=dtype, target_fingerprint=target.fingerprint)
-        proposer, student = EagleProposer(serving, EagleTreeConfig(**ocfg.eagle_tree)), head
-
-        def save(out: Path, requests: int) -> None:
-            save_eagle(serving, out, extra={"requests": requests})
+def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any, Any, Any, Any]:
+    """(Lightning module with the float32 student, proposer over a serving copy, deploy(), save(dir, requests),
+    replay(loss): a live-teacher module sharing the student for offline replay, or None)."""
+    student = methods.get(ocfg.method, "online", "online.method").online(ocfg, target, path)
 
     def deploy() -> None:  # the float32 student into the serving copy (cast to the target's dtype)
-        serving.load_state_dict(student.state_dict())
+        student.serving.load_state_dict(student.student.state_dict())
 
-    module.to(target.device).eval()  # a LightningModule's `device` follows; the server's Fabric reads it
-    return module, proposer, deploy, save
+    student.module.to(target.device).eval()  # a LightningModule's `device` follows; the server's Fabric reads it
+    return student.module, student.proposer, deploy, student.save, student.replay
 
 
-def offline_replay(cfg: dict[str, Any], ocfg: OnlineConfig, target: Any, module: Any) -> tuple[Any, Any]:
+def offline_replay(cfg: dict[str, Any], ocfg: OnlineConfig, target: Any, module: Any,
+                   replay: Any = None) -> tuple[Any, Any]:
     """(an endless iterator over the offline training batches, a module with a live teacher sharing the student)."""
     import itertools
-
-    import torch
 
     from specdistill.data.datamodule import DataConfig, DistillDataModule
 
@@ -110,12 +73,8 @@ def offline_replay(cfg: dict[str, Any], ocfg: OnlineConfig, target: Any, module:
                            cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer, pad_id=target.tokenizer.pad_token_id or 0)
     dm.setup("fit")
     batches = itertools.chain.from_iterable(dm.train_dataloader() for _ in itertools.count())
-    if ocfg.method == "draft":
-        from specdistill.training.draft import DraftLMModule
-
-        live = DraftLMModule(target.model, module.draft, loss=build_loss(ocfg.loss), optimizer=torch.optim.AdamW)
-        return batches, live
-    return batches, module  # the EAGLE module's teacher is live already
+    # a stored-teacher student replays through a live-teacher module sharing it; otherwise its own module
+    return batches, (replay(build_loss(ocfg.loss)) if replay is not None else module)
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -126,9 +85,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         build_loss(ocfg.loss)
     except LossError as e:
         raise ConfigError(f"online.loss: {e}") from e
-    if ocfg.method == "draft" and ocfg.loss not in STORED_TEACHER_LOSSES:
-        raise ConfigError(f"online.loss={ocfg.loss}: the separate draft learns from the target's stored top-k at the "
-                          f"judged positions; use one of {STORED_TEACHER_LOSSES}")
+    method = methods.get(ocfg.method, "online", "online.method")
+    if method.online_teacher == "stored" and ocfg.loss not in STORED_TEACHER_LOSSES:
+        raise ConfigError(f"online.loss={ocfg.loss}: online.method={ocfg.method} learns from the target's stored "
+                          f"top-k at the judged positions; use one of {STORED_TEACHER_LOSSES}")
     models_dir = Path(cfg["paths"].get("models_dir", "models"))
     check_outputs(cfg, names={"online.method": ocfg.method},
                   replaced={"online.method": models_dir / f"online_{ocfg.method}",
@@ -157,11 +117,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         for prompt in tqdm(requests, desc=label, unit="req", dynamic_ncols=True):
             distiller.serve(prompt)
 
-    module, proposer, deploy, save = build_student(ocfg, target, path)
+    module, proposer, deploy, save, replay = build_student(ocfg, target, path)
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
     frozen = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=False)
     serve_all(frozen, stream + held_out, "frozen draft")
-    offline, offline_module = offline_replay(cfg, ocfg, target, module) if ocfg.replay_offline > 0 else (None, None)
+    offline, offline_module = offline_replay(cfg, ocfg, target, module, replay) if ocfg.replay_offline > 0 else (None, None)
     online = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=True, deploy=deploy,
                              save=save, save_dir=versions, offline=offline, offline_module=offline_module)
     with atomic_path(versions, is_dir=True) as tmp:

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from specdistill import methods
 from specdistill.data.generation import stop_ids
 from specdistill.engine.client import engine_python, run_engine
 from specdistill.engine.serving import (
@@ -48,7 +49,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     metrics_file, plots = Path(paths.get("metrics_dir", "metrics")) / f"{name}.json", Path(paths.get("plots_dir", "plots")) / name
     check_outputs(cfg, replaced={"serve.method": plots}, files={"serve.method": metrics_file})
     target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / scfg.method
-    drafted = scfg.method != "ngram"  # ngram drafts from the context: nothing exported
+    drafted = methods.get(scfg.method, "serve", "serve.method").export is not None  # ngram: nothing exported
     for need, stage in ((target_dir, "export@target"), *(((draft_dir, f"export@{scfg.method}"),) if drafted else ())):
         if not (need / "config.json").exists():
             raise ExportError(f"serve@{scfg.method} needs {need}: run `dvc repro {stage}` first")
@@ -113,21 +114,7 @@ def ours_beside_engine(scfg: ServeConfig, tcfg: TargetConfig, prompts: dict[str,
     k = scfg.agreement_k
     target = load_target(tcfg)
     stops = stop_ids(target.model, target.tokenizer)
-    if scfg.method == "eagle":
-        from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-        from specdistill.models.eagle import load_eagle
-
-        head = load_eagle(scfg.eagle_path, target.model, dtype=target.model.dtype, target_fingerprint=target.fingerprint)
-        proposer: Any = EagleProposer(head, EagleTreeConfig(shape="chain", k=k))
-    elif scfg.method == "draft":
-        from specdistill.decoding.proposers import DraftLMProposer
-        from specdistill.models.draft_lm import load_draft
-
-        proposer = DraftLMProposer(load_draft(scfg.draft_path, dtype=target.model.dtype), k=k)
-    else:
-        from specdistill.decoding.proposers import PromptLookupProposer
-
-        proposer = PromptLookupProposer(k, scfg.ngram_max, scfg.ngram_min, 1)
+    proposer = methods.get(scfg.method, "serve", "serve.method").ours(scfg, target, k)  # the same chain as the engine's
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
     out: dict[str, Any] = {}
     c1 = min(scfg.concurrency)

@@ -17,55 +17,31 @@ import os
 import shutil
 import warnings
 import zipfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 
+from specdistill import methods
 from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
 from specdistill.data.features import check_store
 from specdistill.data.generation import stop_ids
 from specdistill.io import atomic_path, config_hash, has_stamp, write_json
 from specdistill.models.draft_lm import (
-    INITS,
     DraftSize,
-    build_draft,
-    check_same_vocabulary,
-    draft_vocabulary,
-    load_draft,
-    save_draft,
 )
 from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.outputs import check_replaceable
 from specdistill.stages.common import ConfigError, check_outputs, environment, section
-from specdistill.training.base import MethodConfigBase
-from specdistill.training.eagle import EagleMethodConfig
 from specdistill.training.losses import LossError, build_loss
-from specdistill.training.medusa import MedusaMethodConfig
 
 log = logging.getLogger(__name__)
 
 # DistillDataModule's sampler continues a resumed epoch at the checkpoint's batch (BatchPlanSampler.skip), which
 # Lightning cannot see from outside: its warning that the loader restarts the epoch does not hold here
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-
-METHODS = ("draft", "medusa", "eagle", "eagle1")
-
-
-@dataclass
-class MethodConfig(MethodConfigBase):
-    name: str = "draft"
-    init: str = "from_target"
-    vocab_size: int | None = None
-    freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
-
-
-METHOD_CONFIGS = {"draft": MethodConfig, "medusa": MedusaMethodConfig, "eagle": EagleMethodConfig,
-                  "eagle1": EagleMethodConfig}
-
 
 @dataclass
 class LossConfig:
@@ -196,13 +172,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     # every section is checked before the target loads: a bad config fails at start
     name = cfg.get("method")
-    if name not in METHODS:
-        raise ConfigError(f"method={name!r}: use one of {METHODS}")
+    method = methods.get(name, "train")
     if name not in cfg.get("methods", {}):
         raise ConfigError(f"method={name}: conf/config.yaml must list methods@methods.{name}: {name} in its defaults")
-    mcfg = section(METHOD_CONFIGS[name], dict(cfg["methods"][name]), f"methods.{name}")
-    if name == "draft" and mcfg.init not in INITS:
-        raise ConfigError(f"methods.{name}.init={mcfg.init!r}: use one of {INITS}")
+    mcfg = section(method.config, dict(cfg["methods"][name]), f"methods.{name}")
+    if method.check is not None:
+        method.check(mcfg)
     size = section(DraftSize, dict(cfg["draft"]), "draft")
     lcfg = section(LossConfig, dict(cfg["loss"]), "loss")
     dist = section(DistillConfig, dict(cfg["distill"]), "distill")
@@ -215,12 +190,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         loss = build_loss(lcfg.name, lcfg.temperature, **(lcfg.params or {}))  # null: none (e.g. ce after jsd)
     except LossError as e:
         raise ConfigError(f"loss: {e}") from e
-    if name != "draft" and (dist.teacher == "stored" or dcfg.source not in ("target", "dataset")):
+    if method.reads_hidden and (dist.teacher == "stored" or dcfg.source not in ("target", "dataset")):
         raise ConfigError(f"method={name} reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
                           f"or precomputed (got {dist.teacher}) and distill.data.source=target or dataset (got {dcfg.source})")
-    if dist.teacher == "precomputed" and (name not in ("eagle", "eagle1") or dcfg.source != "target"):
+    if dist.teacher == "precomputed" and (not method.precomputed or dcfg.source != "target"):
         raise ConfigError(f"distill.teacher=precomputed reads the features stage's store, made for EAGLE heads "
-                          f"(method=eagle/eagle1) on the generate stage's answers (distill.data.source=target); "
+                          f"(method={'/'.join(n for n in methods.names('train') if methods.REGISTRY[n].precomputed)}) "
+                          f"on the generate stage's answers (distill.data.source=target); "
                           f"got method={name}, source={dcfg.source}: use distill.teacher=live")
     if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
         raise ConfigError(f"distill.data.source={dcfg.source} trains on the draft's own samples, which have no stored "
@@ -237,7 +213,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"distill.optimizer={dist.optimizer}: {e}") from e
     scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
     trainer_kwargs = {**dict(cfg["trainer"]), **(mcfg.trainer or {})}  # methods.<m>.trainer wins (every method has one)
-    label = {"draft": lambda: size.name, "medusa": lambda: f"k{mcfg.num_heads}"}.get(name, lambda: mcfg.variant)()
+    label = method.label(mcfg, size) if method.label else name
     check_outputs(cfg, names={"distill.output": dist.output or name, "loss.name": lcfg.name, "draft.name": label})
     plan = plan_outputs(cfg, name, label, lcfg.name, dist.output)
     check_outputs(cfg, replaced={"distill.output": plan.model_dir,
@@ -267,9 +243,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # what the process drew before (Medusa's residual biases drew from it; EAGLE's and the draft's
     # builders reseed anyway, so their runs are unchanged)
     pl.seed_everything(int(cfg.get("seed", 0)), workers=True, verbose=False)
-    built = BUILDERS[name](mcfg, size, dcfg, cfg, target, datamodule, stops, pad_id, common)
+    built = method.build(mcfg, size, dcfg, cfg, target, datamodule, stops, pad_id, common)
     module = built.module
-    stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size) if name == "draft" else None, "loss": asdict(lcfg), "distill": cfg["distill"],
+    stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size) if method.uses_draft_size else None, "loss": asdict(lcfg), "distill": cfg["distill"],
                          "trainer": trainer_kwargs, "target": target.fingerprint, "data": data_stamp, "seed": cfg.get("seed")})
     ckpt_path, run_id = resume_point(plan.ckpt_dir, stamp)
     if ckpt_path:
@@ -336,104 +312,6 @@ def lineage(init_from: str) -> list[dict[str, Any]]:
     if s.get("prompt_mix"):
         entry["prompt_mix"] = s["prompt_mix"]
     return [*before, entry]
-
-
-@dataclass
-class Built:
-    """A method's Lightning module, the trained part (counted and saved) and how to save it."""
-
-    module: Any
-    student: Any
-    save: Callable[[Path, dict[str, Any]], None]
-
-
-def _build_draft(mcfg: MethodConfig, size: DraftSize, dcfg: DataConfig, cfg: dict[str, Any], target: Any,
-                 datamodule: DistillDataModule, stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
-    from specdistill.training.draft import DraftLMModule, OnPolicy
-
-    if mcfg.init_from:
-        draft = load_draft(mcfg.init_from).float().train().requires_grad_(True)
-        check_same_vocabulary(draft, target.model)
-        d2t = getattr(draft, "d2t", None)
-    else:
-        d2t = None
-        if mcfg.vocab_size:
-            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
-                                   always=sorted(stops))
-        draft = build_draft(target.model, size, mcfg.init, d2t, seed=int(cfg.get("seed", 0)))
-    from_target = mcfg.init == "from_target" or mcfg.init_from
-    if mcfg.freeze_embeddings and from_target and not draft.config.tie_word_embeddings:
-        # 28M input weights on SmolLM2 that the target already trained: no optimizer state for them
-        draft.get_input_embeddings().requires_grad_(False)
-    onpolicy = None
-    if dcfg.source in ("draft", "mix"):
-        onpolicy = OnPolicy(fraction=1.0 if dcfg.source == "draft" else dcfg.mix_lambda,
-                            max_new_tokens=dcfg.max_response_tokens, stops=stops, pad_id=pad_id,
-                            seed=int(cfg.get("seed", 0)))
-    module = DraftLMModule(target.model, draft, onpolicy=onpolicy, **common)
-
-    def save(out: Path, settings: dict[str, Any]) -> None:
-        draft.d2t = None if module.d2t is None else module.d2t.cpu()
-        save_draft(draft.eval(), out, target.tokenizer, extra=settings)
-
-    return Built(module, draft, save)
-
-
-def _build_medusa(mcfg: MedusaMethodConfig, size: DraftSize, dcfg: DataConfig, cfg: dict[str, Any], target: Any,
-                  datamodule: DistillDataModule, stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
-    from specdistill.models.medusa import build_medusa, load_medusa, save_medusa
-    from specdistill.training.medusa import MedusaModule
-
-    if mcfg.init_from:
-        heads = load_medusa(mcfg.init_from, target_fingerprint=target.fingerprint, target=target.model).float().train().requires_grad_(True)
-    else:
-        d2t = None
-        if mcfg.vocab_size:
-            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
-                                   always=sorted(stops))
-        heads = build_medusa(target.model, mcfg.num_heads, mcfg.num_layers, d2t, fingerprint=target.fingerprint)
-    module = MedusaModule(target.model, heads, decay=mcfg.decay, max_rank=mcfg.max_rank,
-                          tree_budgets=mcfg.tree_budgets, **common)
-
-    def save(out: Path, settings: dict[str, Any]) -> None:
-        save_medusa(heads.eval(), out, extra=settings, trees=module.trees())
-
-    return Built(module, heads, save)
-
-
-def _build_eagle(mcfg: EagleMethodConfig, size: DraftSize, dcfg: DataConfig, cfg: dict[str, Any], target: Any,
-                 datamodule: DistillDataModule, stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
-    from specdistill.models.eagle import VARIANTS, build_eagle, load_eagle, save_eagle
-    from specdistill.training.eagle import EagleModule
-
-    if mcfg.variant not in VARIANTS:
-        raise ConfigError(f"methods.{mcfg.name}.variant={mcfg.variant!r}: use one of {VARIANTS}")
-    if mcfg.init_from:
-        head = load_eagle(mcfg.init_from, target.model, target_fingerprint=target.fingerprint).float().train()
-        head.requires_grad_(True)
-        if head.cfg.variant == "eagle1":
-            head.norm.requires_grad_(False)
-            head.lm_head.requires_grad_(False)
-    else:
-        d2t = None
-        if mcfg.vocab_size:
-            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
-                                   always=sorted(stops))
-        layers = mcfg.layers(target.model.config.num_hidden_layers)
-        head = build_eagle(target.model, mcfg.variant, layers, d2t, fingerprint=target.fingerprint,
-                           seed=int(cfg.get("seed", 0)))
-    module = EagleModule(target.model, head, ttt_steps=mcfg.ttt_steps, step_decay=mcfg.step_decay,
-                         feature_weight=mcfg.feature_weight, ce_weight=mcfg.ce_weight, noise=mcfg.noise,
-                         stored_layers=datamodule.stored_layers, **common)
-
-    def save(out: Path, settings: dict[str, Any]) -> None:
-        save_eagle(head.eval(), out, extra=settings)  # + eagle3/: the serving-engine layout
-
-    return Built(module, head, save)
-
-
-BUILDERS: dict[str, Callable[..., Built]] = {"draft": _build_draft, "medusa": _build_medusa, "eagle": _build_eagle,
-                                             "eagle1": _build_eagle}
 
 
 def write_curve(rows: list[dict[str, Any]], plots_dir: Path) -> None:

@@ -1,0 +1,139 @@
+"""A separate small LM as the draft (Leviathan et al.; Chen et al.; DistillSpec): cut from the target or built
+fresh, distilled on the target's answers, verified as a chain or a top-k tree; HF assisted generation and
+vLLM's `draft_model` run it too when its vocabulary is the target's whole one."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdistill.errors import ConfigError
+from specdistill.methods import Built, Drafting, Method, OnlineStudent, register
+from specdistill.training.base import MethodConfigBase
+
+
+@dataclass
+class DraftMethodConfig(MethodConfigBase):
+    name: str = "draft"
+    init: str = "from_target"
+    vocab_size: int | None = None
+    freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
+
+
+def check(mcfg: DraftMethodConfig) -> None:
+    from specdistill.models.draft_lm import INITS
+
+    if mcfg.init not in INITS:
+        raise ConfigError(f"methods.{mcfg.name}.init={mcfg.init!r}: use one of {INITS}")
+
+
+def build(mcfg: DraftMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], target: Any, datamodule: Any,
+          stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
+    from specdistill.models.draft_lm import (
+        build_draft,
+        check_same_vocabulary,
+        draft_vocabulary,
+        load_draft,
+        save_draft,
+    )
+    from specdistill.training.draft import DraftLMModule, OnPolicy
+
+    if mcfg.init_from:
+        draft = load_draft(mcfg.init_from).float().train().requires_grad_(True)
+        check_same_vocabulary(draft, target.model)
+    else:
+        d2t = None
+        if mcfg.vocab_size:
+            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
+                                   always=sorted(stops))
+        draft = build_draft(target.model, size, mcfg.init, d2t, seed=int(cfg.get("seed", 0)))
+    from_target = mcfg.init == "from_target" or mcfg.init_from
+    if mcfg.freeze_embeddings and from_target and not draft.config.tie_word_embeddings:
+        # 28M input weights on SmolLM2 that the target already trained: no optimizer state for them
+        draft.get_input_embeddings().requires_grad_(False)
+    onpolicy = None
+    if dcfg.source in ("draft", "mix"):
+        onpolicy = OnPolicy(fraction=1.0 if dcfg.source == "draft" else dcfg.mix_lambda,
+                            max_new_tokens=dcfg.max_response_tokens, stops=stops, pad_id=pad_id,
+                            seed=int(cfg.get("seed", 0)))
+    module = DraftLMModule(target.model, draft, onpolicy=onpolicy, **common)
+
+    def save(out: Path, settings: dict[str, Any]) -> None:
+        draft.d2t = None if module.d2t is None else module.d2t.cpu()
+        save_draft(draft.eval(), out, target.tokenizer, extra=settings)
+
+    return Built(module, draft, save)
+
+
+def drafting(ecfg: Any, target: Any) -> Drafting:
+    """A trained draft (eval.draft_path) or the target's first eval.draft_layers layers, as a chain or a tree."""
+    from specdistill.decoding.proposers import DraftLMProposer
+    from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
+    from specdistill.models.heads_io import training_summary
+
+    model = target.model
+    if ecfg.draft_path:
+        draft = load_draft(ecfg.draft_path, dtype=model.dtype).to(target.device)
+    else:
+        draft = draft_from_target(model, ecfg.draft_layers)
+    check_same_vocabulary(draft, model)
+    reduced = getattr(draft, "d2t", None) is not None
+    info = {"draft": ecfg.draft_path or f"target's first {ecfg.draft_layers} layers",
+            "draft_parameters": sum(p.numel() for p in draft.parameters()),
+            "draft_vocab": len(draft.d2t) if reduced else target.vocab_size,
+            "draft_training": training_summary(ecfg.draft_path)}
+    proposer = DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree, capacity=ecfg.capacity)
+    return Drafting(proposer, info, max_depth=len(ecfg.tree) if ecfg.tree else ecfg.k,
+                    assistant=None if reduced else draft, lookup_row=True)
+
+
+def online(ocfg: Any, target: Any, path: str) -> OnlineStudent:
+    import torch
+
+    from specdistill.decoding.proposers import DraftLMProposer
+    from specdistill.models.draft_lm import check_same_vocabulary, load_draft, save_draft
+    from specdistill.training.draft import DraftLMModule
+    from specdistill.training.losses import build_loss
+
+    draft = load_draft(path).float().to(target.device).requires_grad_(True)
+    check_same_vocabulary(draft, target.model)
+    draft.get_input_embeddings().requires_grad_(False)  # as offline: the target's embeddings stay
+    module = DraftLMModule(target.model, draft, loss=build_loss(ocfg.loss), optimizer=torch.optim.AdamW,
+                           teacher="stored")
+    serving = copy.deepcopy(draft).to(target.model.dtype).eval().requires_grad_(False)
+
+    def save(out: Path, requests: int) -> None:  # the deployed (serving) copy; d2t came along with deepcopy
+        save_draft(serving, out, extra={"requests": requests})
+
+    def replay(loss: Any) -> Any:
+        return DraftLMModule(target.model, draft, loss=loss, optimizer=torch.optim.AdamW)
+
+    return OnlineStudent(module, DraftLMProposer(serving, k=ocfg.k), draft, serving, save, replay)
+
+
+def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
+    """A plain HF folder over the target's whole vocabulary (vLLM's draft_model, HF's assistant_model); the
+    target itself need not load."""
+    from specdistill.export.draft import export_draft
+
+    export_draft(ecfg.draft_path, out, target_dir)
+
+
+def engine(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+    return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
+
+
+def ours(scfg: Any, target: Any, k: int) -> Any:
+    from specdistill.decoding.proposers import DraftLMProposer
+    from specdistill.models.draft_lm import load_draft
+
+    return DraftLMProposer(load_draft(scfg.draft_path, dtype=target.model.dtype), k=k)
+
+
+register(Method("draft", __doc__, config=DraftMethodConfig, build=build, label=lambda mcfg, size: size.name,
+                uses_draft_size=True, check=check, draft=drafting,
+                sampled_chain=lambda ecfg: None if ecfg.tree else "eval.tree=[...] (a top-k tree)", online=online, online_teacher="stored",
+                export=export, engine=engine,
+                ours=ours))

@@ -1,0 +1,136 @@
+"""EAGLE (Li et al., 2024-2025): a one-layer head on the frozen target's features. EAGLE-3 fuses three layers'
+states and trains through its own steps (training-time test); EAGLE-1 reads the last layer and the target's
+frozen LM head. Drafted as a chain, a static tree or EAGLE-2's dynamic tree; served by vLLM (`method: eagle3`)
+from the speculators-format export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specdistill.errors import ConfigError
+from specdistill.methods import Built, Drafting, Method, OnlineStudent, register
+from specdistill.training.eagle import EagleMethodConfig
+
+
+def check(mcfg: EagleMethodConfig) -> None:
+    from specdistill.models.eagle import VARIANTS
+
+    if mcfg.variant not in VARIANTS:
+        raise ConfigError(f"methods.{mcfg.name}.variant={mcfg.variant!r}: use one of {VARIANTS}")
+
+
+def build(mcfg: EagleMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], target: Any, datamodule: Any,
+          stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
+    from specdistill.models.draft_lm import draft_vocabulary
+    from specdistill.models.eagle import build_eagle, load_eagle, save_eagle
+    from specdistill.training.eagle import EagleModule
+
+    if mcfg.init_from:
+        head = load_eagle(mcfg.init_from, target.model, target_fingerprint=target.fingerprint).float().train()
+        head.requires_grad_(True)
+        if head.cfg.variant == "eagle1":
+            head.norm.requires_grad_(False)
+            head.lm_head.requires_grad_(False)
+    else:
+        d2t = None
+        if mcfg.vocab_size:
+            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
+                                   always=sorted(stops))
+        layers = mcfg.layers(target.model.config.num_hidden_layers)
+        head = build_eagle(target.model, mcfg.variant, layers, d2t, fingerprint=target.fingerprint,
+                           seed=int(cfg.get("seed", 0)))
+    module = EagleModule(target.model, head, ttt_steps=mcfg.ttt_steps, step_decay=mcfg.step_decay,
+                         feature_weight=mcfg.feature_weight, ce_weight=mcfg.ce_weight, noise=mcfg.noise,
+                         stored_layers=datamodule.stored_layers, **common)
+
+    def save(out: Path, settings: dict[str, Any]) -> None:
+        save_eagle(head.eval(), out, extra=settings)  # + eagle3/: the serving-engine layout
+
+    return Built(module, head, save)
+
+
+def drafting(ecfg: Any, target: Any) -> Drafting:
+    from dataclasses import asdict
+
+    from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+    from specdistill.models.eagle import load_eagle
+    from specdistill.models.heads_io import parameter_bytes, training_summary
+
+    if not ecfg.eagle_path:
+        raise ConfigError("eval.method=eagle needs eval.eagle_path (train@eagle writes models/eagle)")
+    model = target.model
+    head = load_eagle(ecfg.eagle_path, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
+    eagle = EagleProposer(head, EagleTreeConfig(**ecfg.eagle_tree), capacity=ecfg.capacity)
+    n_params, n_bytes = parameter_bytes(head, model.dtype)
+    info = {"draft": ecfg.eagle_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
+            "draft_vocab": head.cfg.draft_vocab_size or head.cfg.vocab_size, "eagle_variant": head.cfg.variant,
+            "eagle_tree": asdict(eagle.tree), "draft_training": training_summary(ecfg.eagle_path)}
+    depth = max(eagle.tree.k, eagle.tree.depth, len(eagle.tree.branching or []))
+    return Drafting(eagle, info, max_depth=depth)
+
+
+def sampled_chain(ecfg: Any) -> str | None:
+    from specdistill.decoding.eagle import EagleTreeConfig
+
+    return "eval.eagle_tree.shape=dynamic (or static)" if EagleTreeConfig(**ecfg.eagle_tree).shape == "chain" else None
+
+
+def online(ocfg: Any, target: Any, path: str) -> OnlineStudent:
+    import torch
+
+    from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+    from specdistill.models.eagle import load_eagle, save_eagle
+    from specdistill.models.heads_io import read_settings
+    from specdistill.training.eagle import EagleModule
+    from specdistill.training.losses import build_loss
+
+    head = load_eagle(path, target.model, target_fingerprint=target.fingerprint).float().train().requires_grad_(True)
+    if head.cfg.variant == "eagle1":
+        head.norm.requires_grad_(False)
+        head.lm_head.requires_grad_(False)
+    trained = read_settings(path).get("method", {})
+    module = EagleModule(target.model, head, ttt_steps=int(trained.get("ttt_steps", 1)),
+                         feature_weight=float(trained.get("feature_weight", 0.0)),
+                         ce_weight=float(trained.get("ce_weight", 1.0)), loss=build_loss(ocfg.loss),
+                         optimizer=torch.optim.AdamW, teacher="live")
+    serving = load_eagle(path, target.model, dtype=target.model.dtype, target_fingerprint=target.fingerprint)
+
+    def save(out: Path, requests: int) -> None:
+        save_eagle(serving, out, extra={"requests": requests})
+
+    return OnlineStudent(module, EagleProposer(serving, EagleTreeConfig(**ocfg.eagle_tree)), head, serving, save)
+
+
+def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
+    """EAGLE-3 in the speculators format vLLM loads natively, checked against the exported target."""
+    import torch
+
+    from specdistill.export.eagle3 import export_eagle3
+    from specdistill.models.eagle import load_eagle
+
+    target = load_target()
+    head = load_eagle(ecfg.eagle_path, target.model, dtype=torch.float32, target_fingerprint=target.fingerprint)
+    export_eagle3(head, out, target_dir, num_speculative_tokens=ecfg.num_speculative_tokens)
+
+
+def engine(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+    return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
+
+
+def ours(scfg: Any, target: Any, k: int) -> Any:
+    from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+    from specdistill.models.eagle import load_eagle
+
+    head = load_eagle(scfg.eagle_path, target.model, dtype=target.model.dtype, target_fingerprint=target.fingerprint)
+    return EagleProposer(head, EagleTreeConfig(shape="chain", k=k))
+
+
+register(Method("eagle", __doc__, config=EagleMethodConfig, build=build, label=lambda mcfg, size: mcfg.variant,
+                reads_hidden=True, precomputed=True, check=check, draft=drafting, online=online, export=export,
+                sampled_chain=sampled_chain,
+                engine=engine, ours=ours))
+# EAGLE-1: the same method with its own config section (methods.eagle1: variant eagle1); it shares EAGLE's
+# decoder and online path, and is not exported (vLLM serves EAGLE-1 only in its own older layout)
+register(Method("eagle1", "EAGLE-1: " + __doc__.split(". ", 1)[0], config=EagleMethodConfig, build=build,
+                label=lambda mcfg, size: mcfg.variant, reads_hidden=True, precomputed=True, check=check))

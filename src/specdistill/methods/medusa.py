@@ -1,0 +1,77 @@
+"""Medusa-1 (Cai et al., 2024): K residual heads on the frozen target's last hidden state, head k predicting the
+token k + 1 ahead, verified as a tree grown from the heads' per-rank accuracies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specdistill.errors import ConfigError
+from specdistill.methods import Built, Drafting, Method, register
+from specdistill.training.medusa import MedusaMethodConfig
+
+
+def build(mcfg: MedusaMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], target: Any, datamodule: Any,
+          stops: set[int], pad_id: int, common: dict[str, Any]) -> Built:
+    from specdistill.models.draft_lm import draft_vocabulary
+    from specdistill.models.medusa import build_medusa, load_medusa, save_medusa
+    from specdistill.training.medusa import MedusaModule
+
+    if mcfg.init_from:
+        heads = load_medusa(mcfg.init_from, target_fingerprint=target.fingerprint, target=target.model)
+        heads = heads.float().train().requires_grad_(True)
+    else:
+        d2t = None
+        if mcfg.vocab_size:
+            d2t = draft_vocabulary(datamodule.response_tokens("train"), mcfg.vocab_size, target.vocab_size,
+                                   always=sorted(stops))
+        heads = build_medusa(target.model, mcfg.num_heads, mcfg.num_layers, d2t, fingerprint=target.fingerprint)
+    module = MedusaModule(target.model, heads, decay=mcfg.decay, max_rank=mcfg.max_rank,
+                          tree_budgets=mcfg.tree_budgets, **common)
+
+    def save(out: Path, settings: dict[str, Any]) -> None:
+        save_medusa(heads.eval(), out, extra=settings, trees=module.trees())
+
+    return Built(module, heads, save)
+
+
+def choices(ecfg: Any) -> list[tuple[int, ...]]:
+    """The Medusa tree to verify: explicit choices, the saved tree of `medusa_budget` nodes, or one grown
+    to that budget from the per-rank accuracies saved beside the heads."""
+    from specdistill.decoding.medusa import grow_tree, sort_choices
+    from specdistill.models.medusa import load_trees
+
+    if ecfg.medusa_choices:
+        return sort_choices(ecfg.medusa_choices)
+    saved = load_trees(ecfg.medusa_path)
+    if str(ecfg.medusa_budget) in saved["trees"]:
+        return sort_choices(saved["trees"][str(ecfg.medusa_budget)]["choices"])
+    if "acc" in saved:
+        return grow_tree(saved["acc"], ecfg.medusa_budget)
+    raise ConfigError(f"eval.medusa_budget={ecfg.medusa_budget}: {ecfg.medusa_path} has trees of "
+                      f"{sorted(int(b) for b in saved['trees'])} nodes and no accuracies to grow another; "
+                      "give eval.medusa_choices")
+
+
+def drafting(ecfg: Any, target: Any) -> Drafting:
+    from specdistill.decoding.medusa import MedusaProposer
+    from specdistill.models.heads_io import parameter_bytes, training_summary
+    from specdistill.models.medusa import load_medusa
+
+    if not ecfg.medusa_path:
+        raise ConfigError("eval.method=medusa needs eval.medusa_path (train@medusa writes models/medusa)")
+    model = target.model
+    heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint,
+                        target=model).to(target.device)
+    tree = choices(ecfg)
+    n_params, n_bytes = parameter_bytes(heads, model.dtype)
+    info = {"draft": ecfg.medusa_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
+            "draft_vocab": heads.cfg.draft_vocab_size or heads.cfg.vocab_size, "medusa_heads": heads.num_heads,
+            "tree_nodes": len(tree), "medusa_choices": [list(c) for c in tree],
+            "draft_training": training_summary(ecfg.medusa_path)}
+    return Drafting(MedusaProposer(heads, tree), info, max_depth=heads.num_heads)
+
+
+register(Method("medusa", __doc__, config=MedusaMethodConfig, build=build,
+                label=lambda mcfg, size: f"k{mcfg.num_heads}", reads_hidden=True, draft=drafting,
+                sampled_chain=lambda ecfg: None))  # its tree is deterministic

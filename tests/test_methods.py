@@ -1,0 +1,60 @@
+"""The method registry: stages ask it and name no method; a new method is its own module, registered."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from specdistill import methods
+from specdistill.errors import ConfigError
+
+from .conftest import ROOT
+
+STAGES = sorted((ROOT / "src/specdistill/stages").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", STAGES, ids=[p.stem for p in STAGES])
+def test_no_stage_names_a_method_or_imports_its_module(path):
+    names = set(methods.REGISTRY)
+    text = path.read_text()
+    # a method name compared with a variable that holds one (`method == "eagle"`, `name in ("draft", ...)`)
+    compared = re.findall(r"""\b\w*(?:method|name)\w*\s*(?:==|!=|\bin)\s*\(?["'](\w+)["']""", text)
+    assert not names & set(compared), f"{path.name} branches on a method name: {sorted(names & set(compared))}"
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            assert not node.module.startswith("specdistill.methods."), f"{path.name} imports {node.module}"
+
+
+def test_capabilities_and_errors_name_the_choices():
+    assert set(methods.names("train")) == {"draft", "medusa", "eagle", "eagle1"}
+    assert set(methods.names("evaluate")) == {"draft", "medusa", "eagle", "lookup"}
+    assert set(methods.names("serve")) == {"draft", "eagle", "ngram"}
+    with pytest.raises(ConfigError, match=r"eval\.method='ngram': use one of .*\(ngram has no evaluate part\)"):
+        methods.get("ngram", "evaluate", "eval.method")
+    with pytest.raises(ConfigError, match=r"method='hydra': use one of"):
+        methods.get("hydra", "train")
+
+
+def test_a_method_registered_from_outside_reaches_the_stages(monkeypatch):
+    """A plug-in: registered by its own module, it is a choice of every stage whose part it has."""
+    from specdistill.decoding.proposers import PromptLookupProposer
+    from specdistill.stages.evaluate import EvalConfig
+
+    def drafting(ecfg, target):
+        return methods.Drafting(PromptLookupProposer(ecfg.lookup_k, 4, 4, 1), {"note": "4-grams only"})
+
+    monkeypatch.setitem(methods.REGISTRY, "lookup4", methods.Method("lookup4", "prompt lookup on 4-grams",
+                                                                    draft=drafting))
+    assert "lookup4" in methods.names("evaluate") and "lookup4" not in methods.names("train")
+    assert EvalConfig(method="lookup4").method == "lookup4"
+    with pytest.raises(ConfigError, match="use one of"):
+        EvalConfig(method="lookup5")
+
+
+def test_every_trainable_method_has_its_config_file():
+    for name in methods.names("train"):
+        assert (ROOT / "conf/methods" / f"{name}.yaml").exists(), name
+        assert Path(ROOT / "conf/config.yaml").read_text().count(f"methods@methods.{name}: {name}") == 1
