@@ -47,7 +47,7 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 class LossConfig:
     name: str = "fkl"
     temperature: float = 1.0
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] | None = field(default_factory=dict)  # null: none (e.g. loss.name=ce over jsd's params)
 
 
 @dataclass
