@@ -41,7 +41,10 @@ def smoke_checkout(tmp_path: Path) -> Path:
 
 
 def run(proj: Path, *cmd: str, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_MODE": "disabled"}
+    from specdistill.engine.client import engine_python
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_MODE": "disabled",
+           "SPECDISTILL_ENGINE_PYTHON": str(engine_python())}  # the checkout's engine environment, not a copy
     return subprocess.run(list(cmd), cwd=proj, env=env, capture_output=True, text=True, timeout=timeout)
 
 
