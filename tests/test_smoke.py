@@ -64,6 +64,8 @@ def test_smoke_runs_every_stage(smoke_checkout):
     assert expected <= set(stages), sorted(expected - set(stages))
     status = run(proj, "dvc", "status", timeout=600)
     assert "up to date" in status.stdout, status.stdout[-3000:]
-    report = (proj / "reports/smoke/report.md").read_text()
-    for section in ("In the engine", "eagle", "medusa", "online"):
+    report = (proj / "reports/smoke/README.md").read_text()
+    for section in ("## In the engine", "### Medusa heads", "### EAGLE heads", "## Online speculative distillation",
+                    "### The engine's acceptance beside our decoder's"):
         assert section in report, section
+    assert (proj / "reports/smoke/serve_speedup.png").read_bytes()[:4] == b"\x89PNG"
