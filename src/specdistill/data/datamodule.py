@@ -40,7 +40,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import numpy as np
@@ -74,6 +74,9 @@ class DataConfig:
     # training data are measured on the same tokens (the target's own answers, what the decoder will see)
     val_source: str = "target"
     mix_lambda: float = 0.5  # source=mix: the fraction of batches whose answers the draft samples itself
+    RANGES: ClassVar[dict[str, str]] = {"batch_size": "[1, inf)", "max_length": "[2, inf)", "bucket_size": "[1, inf)",
+                                        "num_workers": "[0, inf)", "max_response_tokens": "[1, inf)",
+                                        "mix_lambda": "[0, 1]"}  # checked by `section`, with the key named
 
     def __post_init__(self) -> None:
         self.validate()

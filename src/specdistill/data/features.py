@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ class FeaturesConfig:
     dtype: str = "bfloat16"  # the stored features (the live path feeds the target's bf16 states)
     batch_size: int = 8
     splits: list[str] = field(default_factory=lambda: ["train"])  # []: nothing (an experiment whose EAGLE runs live)
+    RANGES: ClassVar[dict[str, str]] = {"layers": "[0, inf)", "topk": "[1, inf)", "batch_size": "[1, inf)"}
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

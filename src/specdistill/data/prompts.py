@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -61,6 +61,10 @@ class PrepareConfig:
     code_fraction: float | None = None  # train share whose dataset answer holds code (null: the source's own mix)
     train_offset: int = 0  # skip the first N of the train draw: prompts a draft trained on the first N has not seen
     seed: int = 0
+    RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
+        "num_train": "[1, inf)", "num_val": "[1, inf)", "num_mtbench": "[1, inf)", "num_humaneval": "[1, inf)",
+        "val_fraction": "(0, 1)", "max_turns": "[1, inf)", "min_prompt_tokens": "[1, inf)",
+        "max_prompt_tokens": "[1, inf)", "min_reference_chars": "[0, inf)", "train_offset": "[0, inf)"}
 
     def __post_init__(self) -> None:
         if self.code_fraction is not None and not 0.0 <= self.code_fraction <= 1.0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,6 +43,9 @@ class DraftSize:
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     intermediate_size: int | None = None
+    RANGES: ClassVar[dict[str, str]] = {"num_layers": "[1, inf)", "hidden_size": "[1, inf)",
+                                        "num_attention_heads": "[1, inf)", "num_key_value_heads": "[1, inf)",
+                                        "intermediate_size": "[1, inf)"}  # checked by `section`
 
 
 INITS = ("random", "from_target")

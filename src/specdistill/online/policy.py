@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass
@@ -35,6 +36,12 @@ class OnlineConfig:
     gate_tolerance: float = 0.0  # ... the draft's acceptance there falls by at most this, else it is rolled back
     save_every: int = 1  # keep every N-th deployed version (safetensors, with its request count)
     seed: int = 0
+    RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
+        "requests": "[1, inf)", "held_out": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, 2]",
+        "k": "[1, 64]", "update_every": "[1, inf)", "min_rejected": "[0, inf)", "steps": "[1, inf)",
+        "batch_size": "[1, inf)", "lr": "(0, inf)", "topk": "[1, inf)", "replay_accepted": "[0, inf)",
+        "replay_offline": "[0, 1]", "buffer_tokens": "[1, inf)", "window": "[1, inf)", "patience": "[1, inf)",
+        "epsilon": "[0, inf)", "rearm": "[0, 1]", "gate": "[0, inf)", "gate_tolerance": "[0, 1]", "save_every": "[1, inf)"}
 
     def __post_init__(self) -> None:
         from specdistill import methods

@@ -19,7 +19,7 @@ import warnings
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 
@@ -45,6 +45,7 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 
 @dataclass
 class LossConfig:
+    RANGES: ClassVar[dict[str, str]] = {"temperature": "(0, inf)"}  # checked by `section`
     name: str = "fkl"
     temperature: float = 1.0
     params: dict[str, Any] | None = field(default_factory=dict)  # null: none (e.g. loss.name=ce over jsd's params)
@@ -59,6 +60,7 @@ class DistillConfig:
     tau_k: int = 4
     max_k: int = 8
     output: str | None = None  # outputs' name: models/<output>, metrics/train_<output>.json; default the method
+    RANGES: ClassVar[dict[str, str]] = {"tau_k": "[1, 64]", "max_k": "[1, 64]"}  # checked by `section`
 
 
 @dataclass

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torchmetrics import MeanMetric
@@ -50,6 +50,9 @@ class EagleMethodConfig(MethodConfigBase):
     # methods.eagle.trainer (MethodConfigBase) matters most here: with precomputed features an EAGLE step costs
     # about half a live one, so an experiment can give EAGLE more steps in the same time (conf/experiment/)
     teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
+    RANGES: ClassVar[dict[str, str]] = {"feature_layers": "[0, inf)", "vocab_size": "[2, inf)", "ttt_steps": "[1, 16]",
+                                        "step_decay": "(0, 1]", "feature_weight": "[0, inf)", "ce_weight": "[0, inf)",
+                                        "noise": "[0, inf)"}
 
     def layers(self, num_layers: int) -> list[int]:
         """The HiddenTap indices the head reads: feature_layers, or the variant's default for this target."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +37,8 @@ class MedusaMethodConfig(MethodConfigBase):
     decay: float = 0.8  # head k's loss weight decay^k
     max_rank: int = 10  # candidate ranks measured per head (the tree builder's acc[k][i])
     tree_budgets: list[int] = field(default_factory=lambda: [16, 32, 64])  # trees saved beside the heads
+    RANGES: ClassVar[dict[str, str]] = {"num_heads": "[1, 16]", "num_layers": "[1, inf)", "vocab_size": "[2, inf)",
+                                        "decay": "(0, 1]", "max_rank": "[1, inf)", "tree_budgets": "[1, inf)"}
 
 
 def head_pairs(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
