@@ -95,32 +95,32 @@ def agreement_table(serve: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def serving_figure(serve: dict[str, dict[str, Any]], path: Path) -> None:
-    """Speed-up over the engine alone against concurrency, one line per method and K (geomean over settings)."""
+    """Speed-up over the engine alone against concurrency: one panel per method, a line per K and the deployed
+    schedule in black (geomean over datasets and temperatures)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
-    for method, m in serve.items():
+    fig, axes = plt.subplots(1, len(serve), figsize=(4.2 * len(serve), 3.8), dpi=150, sharey=True, squeeze=False)
+    for ax, (method, m) in zip(axes[0], serve.items(), strict=True):
         conc = sorted(int(c[1:]) for c in m["chosen_k"])
         for k in m["settings"].get("k", []):
             ys = [statistics.geometric_mean([t[f"c{c}"][f"k{k}"]["speedup"] for ds in m["results"].values()
                                              for t in ds.values()]) for c in conc]
-            ax.plot(conc, ys, marker="o", label=f"{method}, K={k}")
+            ax.plot(conc, ys, marker="o", label=f"K={k}")
         deployed = (m.get("deploy") or {}).get("speedup_geomean", {})
         if deployed:
             ax.plot(conc, [deployed.get(f"c{c}", float("nan")) for c in conc], marker="s", lw=2.2, color="black",
-                    alpha=0.8 if len(serve) == 1 else 0.5, label=f"{method}, deployed schedule")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
-    ticks = sorted({int(c[1:]) for m in serve.values() for c in m["chosen_k"]})
-    ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.minorticks_off()
-    ax.set_xlabel("concurrency (requests in flight)")
-    ax.set_ylabel("speed-up over the engine alone")
-    ax.set_title("vLLM with each draft")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+                    label="deployed schedule")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.minorticks_off()
+        ax.set_title(f"vLLM with {method}")
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.legend(fontsize=8, loc="lower left")
+    axes[0][0].set_ylabel("speed-up over the engine alone")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
