@@ -37,9 +37,9 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     section(PrepareConfig, data, "data", source=section(SourceConfig, data.pop("source"), "data.source"))
     assert set(cfg["assets"]["items"]) == {"target", "sharegpt", "mtbench", "humaneval"}
     # the training sections too: a bad one must fail at start, not after the target has loaded
+    from specdistill import methods
     from specdistill.data.datamodule import DataConfig
     from specdistill.models.draft_lm import DraftSize
-    from specdistill import methods
     from specdistill.stages.train import DistillConfig, LossConfig
     from specdistill.training.losses import build_loss
 

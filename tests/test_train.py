@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -79,20 +80,25 @@ def test_on_policy_sources_train(tmp_path, tiny_target_dir, generated, source):
     assert res["settings"].get("prompt_mix") == ({"code_fraction": 0.5} if mix else None)
 
 
-def test_a_killed_run_resumes_its_step_count_and_curve(tmp_path, tiny_target_dir, generated, monkeypatch):
+@contextlib.contextmanager
+def killed_at(monkeypatch, step: int):
+    """A context in which the draft's training raises at `step`, as a kill would stop it there."""
     from specdistill.training.draft import DraftLMModule
 
-    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=6",
-                              "trainer.max_steps=12", "distill.optimizer.lr=3e-3", "methods.draft.init=random"))
-
     def crash(self, outputs, batch, batch_idx):
-        if self.global_step == 8:
+        if self.global_step == step:
             raise RuntimeError("killed")
 
     with monkeypatch.context() as m:
         m.setattr(DraftLMModule, "on_train_batch_end", crash, raising=False)
-        with pytest.raises(RuntimeError, match="killed"):
-            train_stage.run(cfg)
+        yield
+
+
+def test_a_killed_run_resumes_its_step_count_and_curve(tmp_path, tiny_target_dir, generated, monkeypatch):
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=6",
+                              "trainer.max_steps=12", "distill.optimizer.lr=3e-3", "methods.draft.init=random"))
+    with killed_at(monkeypatch, 8), pytest.raises(RuntimeError, match="killed"):
+        train_stage.run(cfg)
     ckpt = torch.load(tmp_path / "checkpoints/draft/last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 6 and [r["step"] for r in ckpt["val_history"]] == [6]
     assert not (tmp_path / "models/draft").exists()  # nothing half-written under the final name
@@ -239,19 +245,10 @@ def test_weights_do_not_depend_on_what_the_process_drew_before(tmp_path, tiny_ta
 
 def test_a_cut_off_checkpoint_falls_back_or_names_the_folder(tmp_path, tiny_target_dir, generated, monkeypatch, caplog):
     """Issue 33, item 5: a truncated last.ckpt once gave a raw PytorchStreamReader error."""
-    from specdistill.training.draft import DraftLMModule
-
     cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=3",
                               "trainer.max_steps=9", "methods.draft.init=random"))
-
-    def crash(self, outputs, batch, batch_idx):
-        if self.global_step == 7:
-            raise RuntimeError("killed")
-
-    with monkeypatch.context() as m:
-        m.setattr(DraftLMModule, "on_train_batch_end", crash, raising=False)
-        with pytest.raises(RuntimeError, match="killed"):
-            train_stage.run(cfg)
+    with killed_at(monkeypatch, 7), pytest.raises(RuntimeError, match="killed"):
+        train_stage.run(cfg)
     ckpts = tmp_path / "checkpoints/draft"
     newest = (ckpts / "last.ckpt").resolve()
     older = ckpts / "step3.ckpt"
@@ -261,11 +258,9 @@ def test_a_cut_off_checkpoint_falls_back_or_names_the_folder(tmp_path, tiny_targ
     assert train_stage.run(cfg)["steps"] == 9
     assert "resuming from the newest whole checkpoint" in caplog.text and "step3.ckpt" in caplog.text
     # with no whole checkpoint left: an error that says what to delete, and the damaged file kept
-    with monkeypatch.context() as m:
-        m.setattr(DraftLMModule, "on_train_batch_end", crash, raising=False)
-        with pytest.raises(RuntimeError, match="killed"):
-            train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=3",
-                                                "trainer.max_steps=9", "methods.draft.init=random", "seed=5")))
+    with killed_at(monkeypatch, 7), pytest.raises(RuntimeError, match="killed"):
+        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=3",
+                                            "trainer.max_steps=9", "methods.draft.init=random", "seed=5")))
     for p in ckpts.glob("step*.ckpt"):
         p.write_bytes(p.read_bytes()[:1000])
     with pytest.raises(ConfigError, match=rf"damaged .*Delete {ckpts}"):
