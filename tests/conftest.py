@@ -100,3 +100,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"{gguf} is missing: run `make assets` (the fetch_assets stage)"))
         if "engine" in item.keywords and no_engine:
             item.add_marker(pytest.mark.skip(reason=no_engine))
+
+
+def copy_checkout(dest: Path, skip: tuple[str, ...] = ("reports/", "plots/", "metrics/")) -> Path:
+    """The project's files (tracked, and untracked ones git does not ignore) copied to `dest`, without the
+    outputs under `skip`: a checkout to run stages in without touching this one."""
+    import shutil
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file() and not f.startswith(skip):
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    return dest

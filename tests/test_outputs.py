@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from omegaconf import OmegaConf
 from specdistill.io import atomic_path
 from specdistill.outputs import MARKER, OutputError, check_paths, check_replaceable, plain_name
 
-from .conftest import ROOT
+from .conftest import copy_checkout
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -32,12 +31,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 @pytest.fixture
 def checkout(tmp_path: Path, monkeypatch) -> Path:
     """A copy of the project's tracked files, with a `.git`, data and outputs of its own, as the cwd."""
-    proj = tmp_path / "a" / "b" / "proj"  # two levels below tmp_path: `../../escaped` must not reach them
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file() and not f.startswith(("reports/", "plots/", "metrics/")):
-            (proj / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, proj / f)
+    proj = copy_checkout(tmp_path / "a" / "b" / "proj")  # two levels down: `../../escaped` must not reach tmp_path
     for f, text in {".git/HEAD": "ref: refs/heads/main\n", "data/prompts/train/data.arrow": "prompts",
                     "data/assets/target/model.gguf": "weights", "models/eagle/model.safetensors": "eagle",
                     "metrics/eagle.json": "{}", "checkpoints/draft/last.ckpt": "ckpt"}.items():

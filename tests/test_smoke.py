@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import ROOT
+from .conftest import ROOT, copy_checkout
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 ASSETS = ROOT / "data/assets"
@@ -27,13 +27,7 @@ ASSETS = ROOT / "data/assets"
 @pytest.fixture
 def smoke_checkout(tmp_path: Path) -> Path:
     """The project's files (tracked and not ignored; no outputs, no dvc.lock) with the fetched assets."""
-    proj = tmp_path / "proj"
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file() and not f.startswith(("reports/", "plots/", "metrics/")) and f != "dvc.lock":
-            (proj / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, proj / f)
+    proj = copy_checkout(tmp_path / "proj", skip=("reports/", "plots/", "metrics/", "dvc.lock"))
     if (ASSETS / "assets.json").exists():  # verified assets are kept by fetch_assets (persist); else it fetches them
         shutil.copytree(ASSETS, proj / "data/assets")
     subprocess.run(["git", "init", "-q"], cwd=proj, check=True)

@@ -73,7 +73,7 @@ class EvalConfig:
         "lookup_branches": "[1, 64]", "capacity": "[64, inf)"}
 
     def __post_init__(self) -> None:
-        methods.get(self.method, "evaluate", "eval.method")
+        method = methods.get(self.method, "evaluate", "eval.method")
         if self.split not in SPLITS:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
         try:
@@ -85,7 +85,6 @@ class EvalConfig:
                               f"({self.lookup_max_ngram}), lookup_k >= 1 ({self.lookup_k}) and lookup_branches >= 1 "
                               f"({self.lookup_branches})")
         if self.lookup_branch:
-            method = methods.get(self.method, "evaluate", "eval.method")
             if method.sampled_chain is None:
                 raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: set eval.method "
                                   f"to one of {[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"

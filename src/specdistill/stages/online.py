@@ -41,13 +41,14 @@ log = logging.getLogger(__name__)
 STORED_TEACHER_LOSSES = ("fkl", "topk_kl", "ce")
 
 
-def request_prompts(prompts_dir: Path, scenario: str, tokenizer: Any, n: int) -> list[list[int]]:
+def request_prompts(prompts_dir: Path, scenario: str, n: int) -> list[str]:
+    """The first n prompts of the scenario's split (read before the target loads: too few is a config error)."""
     split = {"code": "humaneval", "chat": "val"}[scenario]
     rows = load_prompts(prompts_dir, split)
     if len(rows) < n:
         raise ConfigError(f"online: {n} requests (requests + held_out) but {prompts_dir / split} holds {len(rows)} prompts; "
                           "lower online.requests / online.held_out" + (" or raise data.num_val" if split == "val" else ""))
-    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in rows.select(range(n))["prompt"]]
+    return list(rows.select(range(n))["prompt"])
 
 
 def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any, Any, Any, Any]:
@@ -97,16 +98,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     path = ocfg.draft_path or str(models_dir / ocfg.method)
     if not Path(path).exists():
         raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` or set online.draft_path")
-    split = {"code": "humaneval", "chat": "val"}[ocfg.scenario]
-    have = len(load_prompts(Path(cfg["paths"]["prompts_dir"]), split))  # the prompts prepare kept, before the target loads
-    if have < ocfg.requests + ocfg.held_out:
-        raise ConfigError(f"online: {ocfg.requests + ocfg.held_out} requests (requests + held_out) but "
-                          f"{cfg['paths']['prompts_dir']}/{split} holds {have} prompts; lower online.requests / "
-                          "online.held_out" + (" or raise data.num_val" if split == "val" else ""))
+    texts = request_prompts(Path(cfg["paths"]["prompts_dir"]), ocfg.scenario, ocfg.requests + ocfg.held_out)
     target = load_target(tcfg)
     tok = target.tokenizer
     stops, pad_id = stop_ids(target.model, tok), tok.pad_token_id or 0
-    prompts = request_prompts(Path(cfg["paths"]["prompts_dir"]), ocfg.scenario, tok, ocfg.requests + ocfg.held_out)
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     stream, held_out = prompts[: ocfg.requests], prompts[ocfg.requests:]
     name = f"online_{ocfg.method}"
     versions = models_dir / name
