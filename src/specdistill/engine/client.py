@@ -76,7 +76,8 @@ def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: 
     with tempfile.TemporaryDirectory(prefix="specdistill-engine-") as tmp:
         job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_file.write_text(json.dumps(job))
-        log_file = Path(log_path) if log_path else Path(tmp) / "engine.log"
+        # a log of our own choosing is kept; the default one outlives the job's folder only when the engine fails
+        log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specdistill-engine-", suffix=".log")[1])
         log_file.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(log_file, "w") as out:
@@ -94,6 +95,8 @@ def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: 
             tail = "".join(lines[-25:] + (["...\n", errors[-1]] if errors and errors[-1] not in lines[-25:] else []))
             raise EngineError(f"the engine exited with code {proc.returncode} (log: {log_file}); its last lines:\n{tail}")
         result = json.loads(result_file.read_text())
+    if not log_path:
+        log_file.unlink(missing_ok=True)
     result["process_s"] = time.perf_counter() - t0
     return result
 

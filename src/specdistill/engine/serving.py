@@ -37,6 +37,7 @@ class ServeConfig:
     export_dir: str
     eagle_path: str
     draft_path: str
+    medusa_path: str
     timeout_s: int
     seed: int
     deploy_min_speedup: float  # a load's K goes into the deployed schedule only at this speed-up or more (else 0)

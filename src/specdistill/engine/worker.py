@@ -83,6 +83,19 @@ def run_bounded(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": sum(len(r["token_ids"]) for r in results if r)}
 
 
+def check_medusa_fixes(spec: dict[str, Any] | None) -> None:
+    """Medusa needs engine-plugin/'s Medusa fixes (reduced heads, batch-size schedules) on any platform."""
+    if (spec or {}).get("method") != "medusa":
+        return
+    try:
+        import specdistill_vllm_fixes as fixes
+    except ImportError:
+        fixes = None
+    if not hasattr(fixes, "medusa_propose"):
+        raise SystemExit("serving Medusa needs specdistill's vLLM fixes (engine-plugin/, 0.2 or later): run `make engine`, "
+                         "or `pip install ./engine-plugin` into the environment of $SPECDISTILL_ENGINE_PYTHON")
+
+
 def check_cpu_fixes() -> list[str]:
     """The fixes of engine-plugin/ that this engine needs, found installed; a clear error when one is missing.
 
@@ -111,6 +124,7 @@ def main(job_path: str, result_path: str) -> None:
     from vllm import LLM
 
     fixes = check_cpu_fixes()
+    check_medusa_fixes(job.get("speculative_config"))
     t0 = time.perf_counter()
     kwargs: dict[str, Any] = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
                                   max_model_len=int(job.get("max_model_len", 2048)),

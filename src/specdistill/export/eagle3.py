@@ -46,7 +46,7 @@ def check_against_target(cfg: Any, target_dir: Path) -> dict[str, Any]:
     t = json.loads((target_dir / "config.json").read_text())
     for ours, theirs in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
                          ("target_num_layers", "num_hidden_layers")):
-        if getattr(cfg, ours) is not None and getattr(cfg, ours) != t.get(theirs):
+        if getattr(cfg, ours, None) is not None and getattr(cfg, ours) != t.get(theirs):
             raise ExportError(f"the draft was trained for a target with {theirs}={getattr(cfg, ours)}, the target at "
                               f"{target_dir} has {t.get(theirs)}: export the target it was trained on")
     trained_on = getattr(cfg, "target_fingerprint", None)

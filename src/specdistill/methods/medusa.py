@@ -72,6 +72,37 @@ def drafting(ecfg: Any, target: Any) -> Drafting:
     return Drafting(MedusaProposer(heads, tree), info, max_depth=heads.num_heads)
 
 
+def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
+    """vLLM's Medusa layout (a reduced head as its token map), checked against the exported target; the target
+    itself need not load."""
+    from specdistill.export.medusa import export_medusa
+    from specdistill.models.medusa import load_medusa
+
+    export_medusa(load_medusa(ecfg.medusa_path), out, target_dir)
+
+
+def engine(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+    """vLLM drafts the first K heads' top-1 tokens (it builds K heads from the export's, which must have K)."""
+    import json
+
+    heads = json.loads((Path(str(draft_dir)) / "config.json").read_text())["num_heads"]
+    if k > heads:
+        raise ConfigError(f"serve.k has {k}: the Medusa export at {draft_dir} has {heads} heads, so the engine drafts at "
+                          f"most {heads} tokens; list K up to {heads} (or train more heads, methods.medusa.num_heads)")
+    return {"method": "medusa", "model": draft_dir, "num_speculative_tokens": k}
+
+
+def ours(scfg: Any, target: Any, k: int) -> Any:
+    """The engine's Medusa chain in our decoder: the top-1 of heads 1..K."""
+    from specdistill.decoding.medusa import MedusaProposer
+    from specdistill.models.medusa import load_medusa
+
+    heads = load_medusa(scfg.medusa_path, dtype=target.model.dtype, target_fingerprint=target.fingerprint,
+                        target=target.model).to(target.device)
+    return MedusaProposer(heads, [(0,) * d for d in range(1, k + 1)])
+
+
 register(Method("medusa", __doc__, config=MedusaMethodConfig, build=build,
                 label=lambda mcfg, size: f"k{mcfg.num_heads}", reads_hidden=True, draft=drafting,
-                sampled_chain=lambda ecfg: None))  # its tree is deterministic
+                sampled_chain=lambda ecfg: None,  # its tree is deterministic
+                export=export, engine=engine, ours=ours))
