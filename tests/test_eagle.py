@@ -40,7 +40,10 @@ def target(tiny_tokenizer):
 
 
 def random_head(target, variant, d2t=None, seed=0, scale=0.2):
-    head = build_eagle(target, variant, LAYERS[variant], d2t, seed=seed)
+    """A head with random weights; variant eagle3.1 is eagle3 with both EAGLE-3.1 flags."""
+    v31 = variant == "eagle3.1"
+    variant = "eagle3" if v31 else variant
+    head = build_eagle(target, variant, LAYERS[variant], d2t, seed=seed, fc_norm=v31, norm_output=v31)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
@@ -101,14 +104,14 @@ def test_d2t_t2d_round_trip():
 
 # --- training-time test equals drafting ---------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3", "eagle3.1"])
 def test_unrolled_training_time_test_equals_step_by_step_drafting(target, variant):
     """Step i of the parallel unroll at anchor t = the proposer's cache-based drafting from the same
     committed context, fed the same tokens: masks, positions and state hand-over agree."""
     torch.manual_seed(0)
     head = random_head(target, variant, torch.arange(0, target.config.vocab_size, 3))
     ids = torch.randint(3, target.config.vocab_size, (1, 16))
-    feats = target_features(target, ids, LAYERS[variant])
+    feats = target_features(target, ids, head.cfg.feature_layers)
     steps = 3
     with torch.no_grad():
         outs = unroll(head, feats, ids, torch.ones_like(ids), steps)
@@ -132,10 +135,10 @@ SHAPES = {"chain": EagleTreeConfig(shape="chain", k=4), "static": EagleTreeConfi
           "dynamic": EagleTreeConfig(shape="dynamic", depth=4, top_k=3, total_tokens=10)}
 
 
-@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3", "eagle3.1"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_greedy_eagle_equals_plain_greedy(target, variant, shape):
-    head = random_head(target, variant, torch.arange(0, target.config.vocab_size, 2) if variant == "eagle3" else None)
+    head = random_head(target, variant, torch.arange(0, target.config.vocab_size, 2) if variant != "eagle1" else None)
     proposer = EagleProposer(head, SHAPES[shape], capacity=128)
     ver = TargetVerifier(target, capacity=128, feature_layers=proposer.feature_layers)
     for prompt in PROMPTS:
@@ -256,6 +259,25 @@ def test_dynamic_tree_sampling_is_lossless():
         assert chi2_p(draws[:, pos], exact[pos]) > 1e-3, pos
 
 
+def test_eagle31_flags_norm_each_fused_layer_and_carry_the_normed_state(target):
+    """fc_norm: fc reads each fused layer normed on its own (scaling one layer's states changes nothing);
+    norm_output: the state carried to the next step is the normed one the LM head reads."""
+    head = random_head(target, "eagle3.1")
+    ids = torch.randint(3, 300, (1, 6))
+    feats = target_features(target, ids, LAYERS["eagle3"])
+    h = target.config.hidden_size
+    scaled = torch.cat([feats[..., :h] * 50, feats[..., h:]], dim=-1)
+    with torch.no_grad():  # up to the norm's eps, which is not small beside the tiny model's states
+        a, b = head.features_in(scaled), head.features_in(feats)
+        assert (a - b).norm() / b.norm() < 0.02
+        out = unroll(head, feats, ids, torch.ones_like(ids), 2)
+        for state in out:  # RMSNorm's output over its weight has unit RMS
+            torch.testing.assert_close((state / head.norm.weight).pow(2).mean(-1), torch.ones(1, 6), atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(head.logits(out[1]), head.lm_head(out[1]))
+    with pytest.raises(ValueError, match="EAGLE-3.1"):
+        build_eagle(target, "eagle1", LAYERS["eagle1"], fc_norm=True)
+
+
 # --- saving, export, training -------------------------------------------------------------------------
 
 def test_save_load_and_eagle3_export(tmp_path, target):
@@ -281,12 +303,15 @@ def test_save_load_and_eagle3_export(tmp_path, target):
 
 
 @pytest.mark.parametrize(("method", "loss", "vocab"), [("eagle", "fkl", "128"), ("eagle", "jsd", "null"),
-                                                       ("eagle1", "fkl", "128"), ("eagle", "ce", "128")])
+                                                       ("eagle1", "fkl", "128"), ("eagle", "ce", "128"),
+                                                       ("eagle3.1", "fkl", "128")])
 def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, vocab):  # noqa: F811
+    flags = ["methods.eagle.fc_norm=true", "methods.eagle.norm_output=true"] if method == "eagle3.1" else []
+    method = "eagle" if method == "eagle3.1" else method
     layers = "[2]" if method == "eagle1" else "[0,1,2]"
     cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, f"method={method}", f"loss={loss}",
                               "+trainer.fast_dev_run=2", f"methods.{method}.vocab_size={vocab}",
-                              f"methods.{method}.feature_layers={layers}"))
+                              f"methods.{method}.feature_layers={layers}", *flags))
     res = train_stage.run(cfg)
     final = res["final"]
     assert 0 < final["val/alpha"] <= 1 and 1 <= final["val/tau_sim"] <= 5 and "val/alpha_pos3_t0" in final
@@ -295,6 +320,7 @@ def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, 
 
     head = load_eagle(tmp_path / f"models/{method}", AutoModelForCausalLM.from_pretrained(tiny_target_dir))
     assert head.cfg.variant == ("eagle1" if method == "eagle1" else "eagle3")
+    assert head.cfg.fc_norm == head.cfg.norm_output == bool(flags) and (head.fc_norm is not None) == bool(flags)
     assert (tmp_path / f"models/{method}/eagle3/config.json").exists() == (method == "eagle")
     assert json.loads((tmp_path / f"metrics/train_{method}.json").read_text())["settings"]["method"]["variant"]
 

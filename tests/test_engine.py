@@ -82,6 +82,12 @@ def served(tmp_path_factory):
     train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=draft", "loss=fkl", "methods.draft.vocab_size=null",
                                         "distill.output=draft_full", "trainer.max_steps=120",
                                         "trainer.val_check_interval=120", "distill.data.batch_size=8")))
+    # EAGLE-3.1: the same head with both flags, trained the same way
+    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=eagle", "loss=fkl", "methods.eagle.vocab_size=200",
+                                        "methods.eagle.feature_layers=[3,1,2]", "methods.eagle.fc_norm=true",
+                                        "methods.eagle.norm_output=true", "methods.eagle.trainer={max_steps:240}",
+                                        "trainer.val_check_interval=240", "distill.data.batch_size=8",
+                                        "distill.optimizer.lr=3e-3", "distill.output=eagle31")))
     # Medusa heads over a reduced vocabulary (vLLM reads it as a token map: engine-plugin/ makes that load)
     train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=medusa", "loss=fkl", "methods.medusa.vocab_size=200",
                                         "methods.medusa.num_heads=3", "trainer.max_steps=120",
@@ -140,6 +146,24 @@ def test_engine_greedy_and_acceptance_match_ours(served):
     assert c1["vllm:spec_decode_num_drafts"] == drafts and engine_per_pos == per_pos, (c1, drafts, per_pos)
     assert per_pos[0] / drafts > 0.2, "the trained head must accept something, or the comparison proves little"
     assert json.loads((served["eagle"] / "config.json").read_text())["norm_before_residual"] is False
+
+
+def test_engine_serves_eagle31_as_ours(served):
+    """EAGLE-3.1 (fc_norm, norm_output; fused layers given out of order): the engine reads the flags as we train
+    them, so its greedy output is the target's and its accepted tokens per position are our decoder's."""
+    model, tmp = served["model"], served["tmp"]
+    head = load_eagle(tmp / "models/eagle31", model)
+    assert head.cfg.fc_norm and head.cfg.norm_output
+    export = export_eagle3(head, tmp / "export/eagle31", served["target"], num_speculative_tokens=K)
+    plist = prompts(8, 13, model.config.vocab_size)
+    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "prompts": plist}]
+    res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
+                      "speculative_config": {"method": "eagle3", "model": str(export), "num_speculative_tokens": K}})
+    ours_tokens, drafts, per_pos = ours_chain(model, head, plist)
+    assert [r["token_ids"] for r in res["runs"][0]["requests"]] == ours_tokens == [greedy(model, p) for p in plist]
+    spec = res["runs"][0]["spec"]
+    assert spec["vllm:spec_decode_num_drafts"] == drafts and spec["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
+    assert per_pos[0] / drafts > 0.2, "the trained head must accept something, or the comparison proves little"
 
 
 def test_engine_sampling_at_t1_follows_the_target(served):

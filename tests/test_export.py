@@ -57,6 +57,20 @@ def test_eagle3_export_has_the_engine_fields_and_order(exported, tmp_path):
     assert torch.equal(state["fc.weight"][:, :h], fc[:, h:2 * h]) and torch.equal(state["fc.weight"][:, 2 * h:], fc[:, :h])
 
 
+def test_eagle31_exports_its_flags_and_fc_norms_in_the_engines_order(exported, tmp_path):
+    model, folder = exported
+    head = build_eagle(model, "eagle3", [3, 1, 2], fingerprint="fp-a", fc_norm=True, norm_output=True)
+    with torch.no_grad():
+        for i, norm in enumerate(head.fc_norm):
+            norm.weight.fill_(float(i + 1))  # ours: layer 3 -> 1, layer 1 -> 2, layer 2 -> 3
+    out = export_eagle3(head, tmp_path / "eagle31", folder)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["norm_before_fc"] is False
+    state = load_file(str(out / "model.safetensors"))
+    # the engine's chunk j is layer [1, 2, 3][j]
+    assert [float(state[f"fc_norm.{j}.weight"][0]) for j in range(3)] == [2.0, 3.0, 1.0]
+
+
 def test_full_vocabulary_head_writes_no_d2t(exported, tmp_path):
     model, folder = exported
     state, _ = eagle3_state(build_eagle(model, "eagle3", [1, 2, 3]))

@@ -12,6 +12,8 @@ loading the config with speculators' own `SpeculatorModelConfig` and serving it 
   layers (0 = embeddings), the same index as our `HiddenTap`;
 - `norm_before_residual: false` stated: vLLM assumes true for a speculators config and would compute another
   residual without an error; ours keeps the un-normed fused state as the residual;
+- EAGLE-3.1's `fc_norm` (per fused layer, `fc_norm.{i}` in the same ascending order as fc's blocks) and
+  `norm_output`, as the head was trained;
 - tensors as speculators names them (`layers.0.*`), `d2t` (the offset: target id = i + d2t[i]) and `t2d` only for a
   reduced vocabulary (vLLM has no slot for them otherwise and refuses the load), the draft vocabulary sorted by
   target id as speculators expects; the embeddings are the target's and not written.
@@ -69,6 +71,9 @@ def eagle3_state(head: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
     order = sorted(range(len(cfg.feature_layers)), key=lambda i: cfg.feature_layers[i])
     h = cfg.hidden_size
     state["fc.weight"] = torch.cat([state["fc.weight"][:, i * h:(i + 1) * h] for i in order], dim=1).contiguous()
+    if cfg.fc_norm:
+        norms = [state.pop(f"fc_norm.{i}.weight") for i in range(len(order))]
+        state.update({f"fc_norm.{j}.weight": norms[i] for j, i in enumerate(order)})
     if head.d2t is not None:
         d2t = head.d2t.cpu().long()
         if len(set(d2t.tolist())) != len(d2t) or int(d2t.max()) >= cfg.vocab_size or int(d2t.min()) < 0:
@@ -83,8 +88,7 @@ def eagle3_state(head: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
     return state, sorted(cfg.feature_layers)
 
 
-def export_eagle3(head: Any, out_dir: str | Path, target_dir: str | Path, num_speculative_tokens: int = 3,
-                  fc_norm: bool = False, norm_output: bool = False) -> Path:
+def export_eagle3(head: Any, out_dir: str | Path, target_dir: str | Path, num_speculative_tokens: int = 3) -> Path:
     """Write `head` (an eagle3 `EagleHead`) as a speculators-format folder that names `target_dir` its verifier."""
     from safetensors.torch import save_file
 
@@ -123,8 +127,8 @@ def export_eagle3(head: Any, out_dir: str | Path, target_dir: str | Path, num_sp
         "eagle_aux_hidden_state_layer_ids": layers,
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": bool(fc_norm),
-        "norm_output": bool(norm_output),
+        "fc_norm": bool(cfg.fc_norm),
+        "norm_output": bool(cfg.norm_output),
         "torch_dtype": "float32",
     }
     with atomic_path(out_dir, is_dir=True) as tmp:

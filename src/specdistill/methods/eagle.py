@@ -18,6 +18,9 @@ def check(mcfg: EagleMethodConfig) -> None:
 
     if mcfg.variant not in VARIANTS:
         raise ConfigError(f"methods.{mcfg.name}.variant={mcfg.variant!r}: use one of {VARIANTS}")
+    if mcfg.variant != "eagle3" and (mcfg.fc_norm or mcfg.norm_output):
+        raise ConfigError(f"methods.{mcfg.name}.fc_norm / norm_output are EAGLE-3.1 flags, for variant eagle3 only "
+                          f"(this one is {mcfg.variant}): set them false")
 
 
 def build(mcfg: EagleMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], target: Any, datamodule: Any,
@@ -39,7 +42,7 @@ def build(mcfg: EagleMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], ta
                                    always=sorted(stops))
         layers = mcfg.layers(target.model.config.num_hidden_layers)
         head = build_eagle(target.model, mcfg.variant, layers, d2t, fingerprint=target.fingerprint,
-                           seed=int(cfg.get("seed", 0)))
+                           seed=int(cfg.get("seed", 0)), fc_norm=mcfg.fc_norm, norm_output=mcfg.norm_output)
     module = EagleModule(target.model, head, ttt_steps=mcfg.ttt_steps, step_decay=mcfg.step_decay,
                          feature_weight=mcfg.feature_weight, ce_weight=mcfg.ce_weight, noise=mcfg.noise,
                          stored_layers=datamodule.stored_layers, **common)
@@ -126,11 +129,18 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     return EagleProposer(head, EagleTreeConfig(shape="chain", k=k))
 
 
-register(Method("eagle", __doc__, config=EagleMethodConfig, build=build, label=lambda mcfg, size: mcfg.variant,
+def label(mcfg: EagleMethodConfig, size: Any) -> str:
+    """eagle1, eagle3, or eagle3.1 (both EAGLE-3.1 flags; one alone is named)."""
+    if mcfg.fc_norm and mcfg.norm_output:
+        return "eagle3.1"
+    return mcfg.variant + ("-fc_norm" if mcfg.fc_norm else "") + ("-norm_output" if mcfg.norm_output else "")
+
+
+register(Method("eagle", __doc__, config=EagleMethodConfig, build=build, label=label,
                 reads_hidden=True, precomputed=True, check=check, draft=drafting, online=online, export=export,
                 sampled_chain=sampled_chain,
                 engine=engine, ours=ours))
 # EAGLE-1: the same method with its own config section (methods.eagle1: variant eagle1); it shares EAGLE's
 # decoder and online path, and is not exported (vLLM serves EAGLE-1 only in its own older layout)
 register(Method("eagle1", "EAGLE-1: " + __doc__.split(". ", 1)[0], config=EagleMethodConfig, build=build,
-                label=lambda mcfg, size: mcfg.variant, reads_hidden=True, precomputed=True, check=check))
+                label=label, reads_hidden=True, precomputed=True, check=check))

@@ -16,6 +16,10 @@ the distribution of x_{t+2}; fed its own output, it drafts further steps.
   fused hidden state as its residual; its own final norm and a trainable LM head over a reduced
   draft vocabulary (d2t). After the first step its own output (before the norm) replaces the fused
   target state: what training-time test unrolls.
+- EAGLE-3.1 (May 2026) is two flags on eagle3, as speculators and vLLM name them: ``fc_norm`` (an RMSNorm per
+  fused target layer before ``fc``, so a layer of large norm no longer dominates the fusion) and
+  ``norm_output`` (the next step reads the normed output, the state the LM head reads, which keeps its
+  magnitude from drifting across steps).
 
 The KV cache of the head is the decoder's `PreallocatedCache` with one layer. Saved as
 `eagle.safetensors` + `eagle_config.json` (`save_eagle`, via heads_io); `write_eagle3_layout` adds the EAGLE-3 layout
@@ -62,10 +66,14 @@ class EagleConfig:
     feature_layers: list[int] = field(default_factory=list)  # HiddenTap indices the head reads
     target_num_layers: int | None = None
     target_fingerprint: str | None = None
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm per fused layer before fc
+    norm_output: bool = False  # EAGLE-3.1: the next step reads norm(output)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise EagleError(f"eagle variant={self.variant!r}: use one of {VARIANTS}")
+        if self.variant == "eagle1" and (self.fc_norm or self.norm_output):
+            raise EagleError("fc_norm and norm_output are EAGLE-3.1 flags: eagle3 heads only")
         want = 1 if self.variant == "eagle1" else 3
         if len(self.feature_layers) != want:
             raise EagleError(f"{self.variant} reads {want} target layer(s), got feature_layers={self.feature_layers}")
@@ -144,12 +152,15 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         self._embed = [embed]  # the target's embeddings, frozen and not ours: not a submodule, not saved
+        self.fc_norm = None
         if cfg.variant == "eagle1":
             self.fc = None
             self.midlayer = Eagle1Layer(cfg)
         else:
             self.fc = nn.Linear(len(cfg.feature_layers) * h, h, bias=False)
             self.midlayer = Eagle3Layer(cfg)
+            if cfg.fc_norm:  # one per fused layer, in feature_layers order
+                self.fc_norm = nn.ModuleList(LlamaRMSNorm(h, eps=cfg.rms_norm_eps) for _ in cfg.feature_layers)
         self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
@@ -166,7 +177,11 @@ class EagleHead(nn.Module):
         """The hidden input of the first step from the target's states [..., F] (F = H, or 3H for eagle3)."""
         if self.fc is None:
             return unit_rms(features).to(self.lm_head.weight.dtype)
-        return self.fc(features.to(self.fc.weight.dtype))
+        features = features.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(features)
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
              cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,16 +191,20 @@ class EagleHead(nn.Module):
 
     def advance(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 cache: Any) -> torch.Tensor:
-        """The predicted states only (training scores the few anchors that count, not every position)."""
+        """The predicted states that feed the next step (training scores the few anchors that count, not every
+        position): the layer's output, or with norm_output that output normed."""
         embeds = self.embed(tokens).to(hidden.dtype)
-        return self.midlayer(hidden, embeds, self.rotary(hidden, position_ids), mask, cache)
+        out = self.midlayer(hidden, embeds, self.rotary(hidden, position_ids), mask, cache)
+        return self.norm(out) if self.cfg.norm_output else out
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(states))
+        """The draft's logits from `advance`'s states (normed already with norm_output)."""
+        return self.lm_head(states if self.cfg.norm_output else self.norm(states))
 
 
 def build_eagle(target: Any, variant: str, feature_layers: list[int], d2t: torch.Tensor | None = None,
-                fingerprint: str | None = None, seed: int = 0) -> EagleHead:
+                fingerprint: str | None = None, seed: int = 0, fc_norm: bool = False,
+                norm_output: bool = False) -> EagleHead:
     """A trainable head for an HF Llama-family `target` (float32); the decoder layer starts from the
     target's last layer where shapes allow (EAGLE-1) and its vocabulary head from the target's LM head."""
     t = target.config
@@ -195,7 +214,8 @@ def build_eagle(target: Any, variant: str, feature_layers: list[int], d2t: torch
                       rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
                       rope_parameters=copy.deepcopy(getattr(t, "rope_parameters", None)), vocab_size=t.vocab_size,
                       draft_vocab_size=None if d2t is None else len(d2t), feature_layers=list(feature_layers),
-                      target_num_layers=t.num_hidden_layers, target_fingerprint=fingerprint)
+                      target_num_layers=t.num_hidden_layers, target_fingerprint=fingerprint, fc_norm=fc_norm,
+                      norm_output=norm_output)
     torch.manual_seed(seed)
     head = EagleHead(cfg, target.get_input_embeddings(), d2t)
     lm = target.get_output_embeddings().weight.detach().float()
@@ -247,6 +267,8 @@ def write_eagle3_layout(head: EagleHead, out: Path) -> None:
               "vocab_size": cfg.vocab_size, "draft_vocab_size": n, "target_hidden_size": cfg.hidden_size,
               "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
               "bos_token_id": None, "eos_token_id": None}
+    if cfg.fc_norm or cfg.norm_output:  # EAGLE-3.1, under speculators' names
+        config.update(fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     rope = cfg.rope_parameters or {}
     if rope.get("rope_theta") is not None:
         config["rope_theta"] = rope["rope_theta"]

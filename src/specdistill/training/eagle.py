@@ -47,6 +47,8 @@ class EagleMethodConfig(MethodConfigBase):
     feature_weight: float = 1.0  # eagle1: SmoothL1 on the predicted state
     ce_weight: float = 0.1  # eagle1: weight of the token loss through the frozen LM head
     noise: float = 0.0  # uniform noise in [-noise, noise] on the (unit-RMS) input features while training
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per fused target layer before fc (eagle3 only)
+    norm_output: bool = False  # EAGLE-3.1: the next training-time-test step reads the normed output (eagle3 only)
     # methods.eagle.trainer (MethodConfigBase) matters most here: with precomputed features an EAGLE step costs
     # about half a live one, so an experiment can give EAGLE more steps in the same time (conf/experiment/)
     teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
