@@ -167,3 +167,29 @@ def test_the_deployed_schedule_serves_each_load_its_chosen_k():
     assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 3
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4, 1], [5, 16, 0]]
     assert deploy_schedule(Cfg(), {c: {"deploy_k": 0} for c in chosen}, "x") is None
+
+
+def test_serve_leaves_out_the_k_a_medusa_export_cannot_draft(tmp_path):
+    """vLLM drafts one token per Medusa head: serve.k beyond the export's heads is left out and named; an agreement
+    K among them, or no K left, is an error before any engine starts."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from specdistill import methods
+    from specdistill.engine.serving import ServeConfig
+    from specdistill.stages.common import ConfigError, section
+    from specdistill.stages.serve import servable_k
+
+    from .conftest import ROOT
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = OmegaConf.to_container(compose("config", overrides=["serve.method=medusa", "serve.k=[1,3,5]"]),
+                                     resolve=True)["serve"]
+    scfg = section(ServeConfig, dict(cfg), "serve")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 4}))
+    served, skipped = servable_k(scfg, methods.get("medusa", "serve"), tmp_path)
+    assert served.k == [1, 3] and skipped == [5]
+    with pytest.raises(ConfigError, match="drafts at most 4 tokens"):
+        servable_k(section(ServeConfig, {**cfg, "k": [5, 6], "agreement_k": 5}, "serve"),
+                   methods.get("medusa", "serve"), tmp_path)
+    assert servable_k(scfg, methods.get("eagle", "serve"), tmp_path) == (scfg, [])

@@ -17,7 +17,7 @@ from specdistill.training.losses import LOSSES, LossError, Teacher, build_loss, 
 
 torch.set_num_threads(1)
 SETTINGS = settings(max_examples=60, deadline=None)
-ALL = ["fkl", "rkl", "jsd", "tvd", "topk_kl", "ce"]
+ALL = ["fkl", "rkl", "jsd", "tvd", "topk_kl", "ce", "lk"]
 TEMPERATURES = st.sampled_from([0.5, 1.0, 2.0])
 
 
@@ -53,7 +53,8 @@ def stored_topk(t: np.ndarray, k: int) -> Teacher:
 # --- basic properties -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, params", [(n, {}) for n in ALL] + [("jsd", {"beta": 0.2}), ("topk_kl", {"k": 2})])
+@pytest.mark.parametrize("name, params", [(n, {}) for n in ALL] + [("jsd", {"beta": 0.2}), ("topk_kl", {"k": 2}),
+                                                                   ("lk", {"variant": "alpha"})])
 @SETTINGS
 @given(data=logit_pairs(), temperature=TEMPERATURES)
 def test_every_divergence_is_nonnegative(name, params, data, temperature):
@@ -63,7 +64,8 @@ def test_every_divergence_is_nonnegative(name, params, data, temperature):
     assert np.all(values >= -1e-6), values
 
 
-@pytest.mark.parametrize("name, params", [(n, {}) for n in ALL if n != "ce"] + [("jsd", {"beta": 0.8})])
+@pytest.mark.parametrize("name, params", [(n, {}) for n in ALL if n != "ce"] + [("jsd", {"beta": 0.8}),
+                                                                                  ("lk", {"variant": "alpha"})])
 @SETTINGS
 @given(data=logit_pairs(), temperature=TEMPERATURES)
 def test_zero_when_student_equals_teacher(name, params, data, temperature):
@@ -117,6 +119,49 @@ def test_pinsker_bounds_acceptance_rate(data):
         assert np.all(alpha >= 1 - np.sqrt((kl + 1e-6) / 2) - 1e-6), name
 
 
+# --- acceptance-targeted losses (LK) -------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(data=logit_pairs(), temperature=TEMPERATURES)
+def test_tvd_is_one_minus_acceptance_exactly(data, temperature):
+    s, t, _ = data
+    alpha = np.minimum(softmax(t, temperature), softmax(s, temperature)).sum(-1)
+    np.testing.assert_allclose(per_token("tvd", s, t, temperature=temperature), 1 - alpha, atol=2e-6)
+    np.testing.assert_allclose(per_token("lk", s, t, temperature=temperature, variant="alpha"), -np.log(alpha),
+                               rtol=1e-4, atol=2e-6)
+
+
+@SETTINGS
+@given(data=logit_pairs(), eta=st.floats(0.0, 10.0))
+def test_lk_lambda_mixes_kl_and_tv_by_the_mean_acceptance(data, eta):
+    s, t, _ = data
+    alpha = np.minimum(softmax(t), softmax(s)).sum(-1)
+    lam = np.exp(-eta * alpha.mean())
+    want = lam * per_token("fkl", s, t) + (1 - lam) * (1 - alpha)
+    np.testing.assert_allclose(per_token("lk", s, t, eta=eta), want, rtol=1e-4, atol=1e-5)
+
+
+@SETTINGS
+@given(data=logit_pairs(max_abs=3.0))
+def test_lk_alpha_gradient_is_tvds_over_alpha_and_raises_acceptance(data):
+    """d(-log alpha) = d(TVD) / alpha per token (so low acceptance pushes harder), and a small step against it
+    raises the acceptance rate."""
+    s, t, _ = data
+    teacher = Teacher(logits=torch.as_tensor(t))
+    for row in range(len(s)):
+        x = torch.as_tensor(s[row:row + 1]).double().requires_grad_(True)
+        lk = build_loss("lk", variant="alpha").per_token(x, teacher.select(torch.tensor([row]))).sum()
+        (g_lk,) = torch.autograd.grad(lk, x)
+        tv = build_loss("tvd").per_token(x, teacher.select(torch.tensor([row]))).sum()
+        (g_tv,) = torch.autograd.grad(tv, x)
+        alpha = 1 - tv.item()
+        assume(alpha > 1e-3 and g_tv.abs().max() > 1e-4)
+        torch.testing.assert_close(g_lk, g_tv / alpha, rtol=1e-3, atol=1e-6)
+        after = np.minimum(softmax(t[row:row + 1]), softmax((x - 1e-3 * g_lk / g_lk.norm()).detach().numpy())).sum()
+        assert after >= alpha - 1e-6
+
+
 # --- forward vs reverse KL ------------------------------------------------------------------------------------
 
 
@@ -152,7 +197,8 @@ def test_masked_out_tokens_do_not_change_the_loss(name, data, keep):
     s, t, targets = data
     mask = torch.tensor(keep[: len(s)])
     loss = build_loss(name)
-    ref = per_token(name, s, t, targets)[mask.numpy()]
+    kept = mask.numpy()  # the kept rows alone (lk's lambda is their mean acceptance)
+    ref = per_token(name, s[kept], t[kept], targets[kept]) if kept.any() else np.zeros(0)
     expected = ref.mean() if ref.size else 0.0
     s2, t2 = s.copy(), t.copy()  # garbage in the masked-out rows, NaN included
     s2[~mask.numpy()] = 1e4
@@ -240,7 +286,7 @@ def test_topk_kl_same_from_dense_and_stored(data, k, temperature):
     np.testing.assert_allclose(stored, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["rkl", "jsd", "tvd"])
+@pytest.mark.parametrize("name", ["rkl", "jsd", "tvd", "lk"])
 def test_full_teacher_losses_reject_stored_topk(name):
     loss = build_loss(name)
     assert loss.needs_full_teacher
@@ -250,7 +296,7 @@ def test_full_teacher_losses_reject_stored_topk(name):
 
 
 def test_needs_full_teacher_flags():
-    assert {n for n, cls in LOSSES.items() if cls.needs_full_teacher} == {"rkl", "jsd", "tvd"}
+    assert {n for n, cls in LOSSES.items() if cls.needs_full_teacher} == {"rkl", "jsd", "tvd", "lk"}
     assert set(LOSSES) == set(ALL)
     assert all(build_loss(n).name == n for n in ALL)
 
@@ -272,7 +318,9 @@ def test_ce_ignores_teacher_and_needs_targets():
 
 
 @pytest.mark.parametrize("name, kwargs, match", [
-    ("kl", {}, "unknown loss 'kl'; known: fkl, rkl, jsd, tvd, topk_kl, ce"),
+    ("kl", {}, "unknown loss 'kl'; known: fkl, rkl, jsd, tvd, topk_kl, ce, lk"),
+    ("lk", {"variant": "beta"}, "variant must be one of"),
+    ("lk", {"eta": -1.0}, "eta must"),
     ("jsd", {"beta": 0.0}, "beta"),
     ("jsd", {"beta": 1.0}, "beta"),
     ("fkl", {"temperature": 0.0}, "temperature"),

@@ -85,6 +85,7 @@ class Method:
     online_teacher: str = "live"  # stored: the student learns from the target's stored top-k at judged positions
     export: Callable[..., None] | None = None
     engine: Callable[[Any, int, str | None], dict[str, Any]] | None = None
+    max_k: Callable[[str], int] | None = None  # the most tokens the engine drafts with this export (None: any K)
     ours: Callable[[Any, Any, int], Any] | None = None
 
 

@@ -81,11 +81,16 @@ def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     export_medusa(load_medusa(ecfg.medusa_path), out, target_dir)
 
 
-def engine(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
-    """vLLM drafts the first K heads' top-1 tokens (it builds K heads from the export's, which must have K)."""
+def max_k(draft_dir: str) -> int:
+    """The export's number of heads: vLLM drafts one token per head."""
     import json
 
-    heads = json.loads((Path(str(draft_dir)) / "config.json").read_text())["num_heads"]
+    return int(json.loads((Path(draft_dir) / "config.json").read_text())["num_heads"])
+
+
+def engine(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+    """vLLM drafts the first K heads' top-1 tokens (it builds K heads from the export's, which must have K)."""
+    heads = max_k(str(draft_dir))
     if k > heads:
         raise ConfigError(f"serve.k has {k}: the Medusa export at {draft_dir} has {heads} heads, so the engine drafts at "
                           f"most {heads} tokens; list K up to {heads} (or train more heads, methods.medusa.num_heads)")
@@ -105,4 +110,4 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
 register(Method("medusa", __doc__, config=MedusaMethodConfig, build=build,
                 label=lambda mcfg, size: f"k{mcfg.num_heads}", reads_hidden=True, draft=drafting,
                 sampled_chain=lambda ecfg: None,  # its tree is deterministic
-                export=export, engine=engine, ours=ours))
+                export=export, engine=engine, max_k=max_k, ours=ours))

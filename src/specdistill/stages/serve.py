@@ -13,7 +13,7 @@ import csv
 import json
 import logging
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     metrics_file, plots = Path(paths.get("metrics_dir", "metrics")) / f"{name}.json", Path(paths.get("plots_dir", "plots")) / name
     check_outputs(cfg, replaced={"serve.method": plots}, files={"serve.method": metrics_file})
     target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / scfg.method
-    drafted = methods.get(scfg.method, "serve", "serve.method").export is not None  # ngram: nothing exported
+    method = methods.get(scfg.method, "serve", "serve.method")
+    drafted = method.export is not None  # ngram: nothing exported
     for need, stage in ((target_dir, "export@target"), *(((draft_dir, f"export@{scfg.method}"),) if drafted else ())):
         if not (need / "config.json").exists():
             raise ExportError(f"serve@{scfg.method} needs {need}: run `dvc repro {stage}` first")
+    scfg, skipped = servable_k(scfg, method, draft_dir)
     engine_python()  # no engine environment: a clear error now, not after the prompts load
     context = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
     if scfg.max_model_len is not None and scfg.max_model_len > context:
@@ -87,7 +89,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                          "speedup_geomean": scheduled_speedups(scfg, summary["results"]) if deploy else {}}
     agreement = ours_beside_engine(scfg, tcfg, prompts, results) if 0.0 in map(float, scfg.temperatures) else {}
     first = next(iter(results.values()))
-    metrics = {"settings": {**environment(), **asdict(scfg), "engine": "vllm", "vllm": first["vllm"], "engine_torch": first["torch"],
+    metrics = {"settings": {**environment(), **asdict(scfg), "k_skipped": skipped, "engine": "vllm", "vllm": first["vllm"], "engine_torch": first["torch"],
                             "engine_dtype": dtype, "target_fingerprint": exported_fingerprint(target_dir),
                             "prompts": {ds: len(p) for ds, p in prompts.items()}},
                "cold_start_s": {s: round(r["cold_start_s"], 1) for s, r in results.items()},
@@ -102,6 +104,21 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         log.info("%s at concurrency %s: K=%d, %.2fx the engine alone (geomean over datasets and temperatures)",
                  scfg.method, c[1:], chosen["k"], chosen["speedup_geomean"])
     return metrics
+
+
+def servable_k(scfg: ServeConfig, method: Any, draft_dir: Path) -> tuple[ServeConfig, list[int]]:
+    """serve.k without the K this export cannot draft (Medusa: one token per head), and those left out; an error
+    when none is left or the agreement's K is among them."""
+    if method.max_k is None:
+        return scfg, []
+    most = method.max_k(str(draft_dir))
+    skipped = [k for k in scfg.k if k > most]
+    if skipped:
+        if scfg.agreement_k in skipped or len(skipped) == len(scfg.k):
+            raise ConfigError(f"serve.k={scfg.k}, serve.agreement_k={scfg.agreement_k}: the {scfg.method} export at "
+                              f"{draft_dir} drafts at most {most} tokens; list K up to {most}")
+        log.warning("serve@%s: the export drafts at most %d tokens, so K=%s are not served", scfg.method, most, skipped)
+    return replace(scfg, k=[k for k in scfg.k if k <= most]), skipped
 
 
 def ours_beside_engine(scfg: ServeConfig, tcfg: TargetConfig, prompts: dict[str, list[list[int]]],

@@ -13,6 +13,13 @@ One registry, `LOSSES`, built by name through `build_loss`:
 - ``topk_kl``: forward KL against the teacher's top-k renormalised, for offline distillation from the
   top-k log-probs the generate stage stored (no live target needed).
 - ``ce``: hard cross-entropy on the generated tokens: sequence-level KD (Kim & Rush, 2016).
+- ``lk``: the LK losses (Samarin et al., 2026, "LK Losses: Direct Acceptance Rate Optimization for
+  Speculative Decoding"), which target the acceptance rate alpha = sum min(p, q) = 1 - TVD itself.
+  ``variant: alpha`` is -log alpha per token: its gradient is TVD's scaled by 1 / alpha, so it pushes hardest
+  where acceptance is low (plain TVD's gradient vanishes for a large vocabulary at initialisation).
+  ``variant: lambda`` is the hybrid lambda KL(p || q) + (1 - lambda) TVD with lambda = exp(-eta sg[alpha]),
+  alpha the batch's mean acceptance (one lambda per call, as the paper's schedule and SpecForge compute it:
+  a training-time-test step is one call): KL leads while acceptance is low, TVD takes over as it rises.
 
 The temperature divides both the student's and the teacher's logits. With it on one side only, the
 minimiser would be a sharpened or flattened copy of the target rather than the target; on both sides the
@@ -244,6 +251,39 @@ class CrossEntropy(Divergence):
             raise LossError("ce needs targets (the generated tokens); the teacher is not used")
         lq = self.student_log_probs(student_logits)
         return -lq.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def acceptance(lp: Tensor, lq: Tensor) -> Tensor:
+    """alpha = sum_x min(p(x), q(x)) per row from log-probs: the probability speculative sampling accepts a
+    token drafted from q against p (= 1 - TVD(p, q))."""
+    return torch.minimum(lp, lq).exp().sum(-1)
+
+
+@_register
+class LKLoss(Divergence):
+    name = "lk"
+    needs_full_teacher = True  # alpha needs p over the whole (draft) vocabulary
+    VARIANTS = ("lambda", "alpha")
+
+    def __init__(self, temperature: float = 1.0, variant: str = "lambda", eta: float = 3.0) -> None:
+        super().__init__(temperature)
+        if variant not in self.VARIANTS:
+            raise LossError(f"lk: variant must be one of {self.VARIANTS}, got {variant!r}")
+        if not _is_real(eta) or not math.isfinite(eta) or eta < 0:
+            raise LossError(f"lk: eta must be a finite number >= 0, got {eta!r}")
+        self.variant, self.eta = variant, float(eta)
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}, variant={self.variant}, eta={self.eta}"
+
+    def per_token(self, student_logits, teacher, targets=None):
+        lq = self.student_log_probs(student_logits)
+        lp = self.teacher_log_probs(teacher, lq.shape[-1])
+        alpha = acceptance(lp, lq)
+        if self.variant == "alpha":
+            return -torch.log(alpha.clamp_min(1e-6))  # clamped: a row with no overlap has no direction anyway
+        lam = torch.exp(-self.eta * alpha.detach().mean()) if alpha.numel() else alpha.new_ones(())
+        return lam * _kl(lp, lq) + (1 - lam) * (1 - alpha)
 
 
 def build_loss(name: str, temperature: float = 1.0, **params) -> Divergence:
