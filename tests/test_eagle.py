@@ -304,10 +304,11 @@ def test_save_load_and_eagle3_export(tmp_path, target):
 
 @pytest.mark.parametrize(("method", "loss", "vocab"), [("eagle", "fkl", "128"), ("eagle", "jsd", "null"),
                                                        ("eagle1", "fkl", "128"), ("eagle", "ce", "128"),
-                                                       ("eagle3.1", "fkl", "128")])
+                                                       ("eagle3.1", "fkl", "128"), ("eagle-dpace", "fkl", "128")])
 def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, vocab):  # noqa: F811
-    flags = ["methods.eagle.fc_norm=true", "methods.eagle.norm_output=true"] if method == "eagle3.1" else []
-    method = "eagle" if method == "eagle3.1" else method
+    flags = {"eagle3.1": ["methods.eagle.fc_norm=true", "methods.eagle.norm_output=true"],
+             "eagle-dpace": ["methods.eagle.step_weights=dpace"]}.get(method, [])
+    method = "eagle" if flags else method
     layers = "[2]" if method == "eagle1" else "[0,1,2]"
     cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, f"method={method}", f"loss={loss}",
                               "+trainer.fast_dev_run=2", f"methods.{method}.vocab_size={vocab}",
@@ -320,7 +321,8 @@ def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, 
 
     head = load_eagle(tmp_path / f"models/{method}", AutoModelForCausalLM.from_pretrained(tiny_target_dir))
     assert head.cfg.variant == ("eagle1" if method == "eagle1" else "eagle3")
-    assert head.cfg.fc_norm == head.cfg.norm_output == bool(flags) and (head.fc_norm is not None) == bool(flags)
+    v31 = "methods.eagle.fc_norm=true" in flags
+    assert head.cfg.fc_norm == head.cfg.norm_output == v31 and (head.fc_norm is not None) == v31
     assert (tmp_path / f"models/{method}/eagle3/config.json").exists() == (method == "eagle")
     assert json.loads((tmp_path / f"metrics/train_{method}.json").read_text())["settings"]["method"]["variant"]
 

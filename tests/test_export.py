@@ -193,3 +193,28 @@ def test_serve_leaves_out_the_k_a_medusa_export_cannot_draft(tmp_path):
         servable_k(section(ServeConfig, {**cfg, "k": [5, 6], "agreement_k": 5}, "serve"),
                    methods.get("medusa", "serve"), tmp_path)
     assert servable_k(scfg, methods.get("eagle", "serve"), tmp_path) == (scfg, [])
+
+
+def test_a_speedup_above_tau_is_flagged_as_a_slow_baseline():
+    """Each engine step costs at least a target forward and yields tau tokens: a speed-up well above tau can only
+    come from an engine-alone start that ran slow; summarise names those runs, the report says to check them."""
+    from specdistill.engine.serving import summarise
+    from specdistill.reporting.serving import serving_tables
+
+    class Cfg:
+        concurrency, k, deploy_min_speedup = [1], [1, 3], 1.0
+
+    def run(tokens_per_s, accepted=0, drafts=0):
+        spec = {"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_draft_tokens": drafts,
+                "vllm:spec_decode_num_accepted_tokens": accepted,
+                "vllm:spec_decode_num_accepted_tokens_per_pos": [accepted]}
+        return {"runs": [{"name": "mtbench|0.0|1", "wall_s": 1.0, "output_tokens": tokens_per_s,
+                          "requests": [{"latency_s": 1.0, "token_ids": []}], "spec": spec}]}
+
+    # tau 1.2 for both K; K=1 at 1.15x is possible, K=3 at 1.5x is not
+    out = summarise(Cfg(), {"ar": run(100), "k1": run(115, 20, 100), "k3": run(150, 20, 100)})
+    assert out["above_tau"] == ["mtbench|T0.0|c1|k3"]
+    m = {"settings": {"k": [1, 3]}, **out, "deploy": None, "cold_start_s": {}, "agreement": {}}
+    text = "\n".join(serving_tables({"eagle": m, "medusa": {**m, "settings": {"k": [1]}, "above_tau": []}}))
+    assert "**Check these:** 1 run(s)" in text and "eagle mtbench|T0.0|c1|k3" in text
+    assert "| medusa | 1 | " in text and text.count("–") >= 1  # K=3 not served by medusa: a dash, not a shifted column

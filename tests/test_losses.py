@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from scipy.spatial.distance import jensenshannon
 from scipy.stats import entropy
 
-from specdistill.training.losses import LOSSES, LossError, Teacher, build_loss, masked_mean
+from specdistill.training.losses import LOSSES, LossError, Teacher, build_loss, dpace_weights, masked_mean
 
 torch.set_num_threads(1)
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -160,6 +160,42 @@ def test_lk_alpha_gradient_is_tvds_over_alpha_and_raises_acceptance(data):
         torch.testing.assert_close(g_lk, g_tv / alpha, rtol=1e-3, atol=1e-6)
         after = np.minimum(softmax(t[row:row + 1]), softmax((x - 1e-3 * g_lk / g_lk.norm()).detach().numpy())).sum()
         assert after >= alpha - 1e-6
+
+
+# --- position weights (D-PACE) --------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(q=hnp.arrays(np.float64, (3, 4), elements=st.floats(0, 1)), ok=hnp.arrays(np.bool_, (3, 4)),
+       alpha=st.floats(0.05, 1.0))
+def test_dpace_weights_follow_their_definition(q, ok, alpha):
+    """w_j = sum_{m >= j, valid} prod_{i <= m, valid} ((1 - alpha) q_i + alpha), positions along the last axis,
+    0 where position j has no target; with alpha = 1 it counts the valid positions from j on."""
+    got = dpace_weights([torch.as_tensor(q[:, j]).float() for j in range(4)],
+                        [torch.as_tensor(ok[:, j]) for j in range(4)], alpha)
+    got = torch.stack(got, -1).double().numpy()
+    q_tilde = np.where(ok, (1 - alpha) * q + alpha, 1.0)
+    reach = np.cumprod(q_tilde, -1) * ok
+    want = np.flip(np.cumsum(np.flip(reach, -1), -1), -1) * ok
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    full = dpace_weights([torch.as_tensor(q[:, j]).float() for j in range(4)], [torch.ones(3, dtype=torch.bool)] * 4, 1.0)
+    assert [w.tolist() for w in full] == [[4.0] * 3, [3.0] * 3, [2.0] * 3, [1.0] * 3]
+    all_valid = torch.stack(dpace_weights([torch.as_tensor(q[:, j]).float() for j in range(4)],
+                                          [torch.ones(3, dtype=torch.bool)] * 4, alpha), -1)
+    assert torch.all(all_valid[:, :-1] >= all_valid[:, 1:] - 1e-6)  # never increasing along the block
+
+
+def test_dpace_alpha_range_and_weights_only_scale():
+    with pytest.raises(LossError, match="alpha"):
+        dpace_weights([torch.ones(2)], [torch.ones(2, dtype=torch.bool)], 0.0)
+    s, t = torch.randn(4, 9, requires_grad=True), torch.randn(4, 9)
+    w = torch.tensor([2.0, 0.5, 1.0, 0.0])
+    loss = build_loss("fkl")
+    weighted = loss(s, Teacher(t), weights=w)
+    torch.testing.assert_close(weighted, (loss.per_token(s, Teacher(t)) * w).mean())
+    kept = torch.tensor([True, False, True, True])
+    torch.testing.assert_close(loss(s, Teacher(t), mask=kept, weights=w),
+                               (loss.per_token(s, Teacher(t)) * w)[kept].mean())
 
 
 # --- forward vs reverse KL ------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 from specdistill import methods
 from specdistill.errors import ConfigError
 
+ABOVE_TAU = 1.1  # a speed-up above this times tau is flagged (noise allowance: tau is itself a sample mean)
+
 
 @dataclass
 class ServeConfig:
@@ -134,13 +136,18 @@ def summarise(cfg: ServeConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             if setting != "ar":
                 row.update(acceptance(run["spec"]))
             table.setdefault(ds, {}).setdefault(f"T{float(t)}", {}).setdefault(f"c{c}", {})[setting] = row
-    for ds in table.values():
-        for temps in ds.values():
-            for cell in temps.values():
+    above_tau = []
+    for ds_name, ds in table.items():
+        for t, temps in ds.items():
+            for c, cell in temps.items():
                 ar = cell["ar"]["tokens_per_s"]
                 for setting, row in cell.items():
                     if setting != "ar":
                         row["speedup"] = round(row["tokens_per_s"] / ar, 4)
+                        # every step costs at least a target forward and yields tau tokens on average: a
+                        # speed-up clearly above tau means the engine alone ran slow in its start
+                        if row.get("tau") and row["speedup"] > ABOVE_TAU * row["tau"]:
+                            above_tau.append(f"{ds_name}|{t}|{c}|{setting}")
     chosen = {}
     for c in cfg.concurrency:  # the K with the best geometric-mean speed-up over datasets and temperatures
         def score(k: int, c: int = c) -> float:
@@ -150,7 +157,7 @@ def summarise(cfg: ServeConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         # deploy_k: what to serve at this load; 0 (no speculation) where no K beats the engine alone
         chosen[f"c{c}"] = {"k": best, "speedup_geomean": round(score(best), 4),
                            "deploy_k": best if score(best) >= cfg.deploy_min_speedup else 0}
-    return {"results": table, "chosen_k": chosen}
+    return {"results": table, "chosen_k": chosen, "above_tau": above_tau}
 
 
 def deploy_schedule(cfg: ServeConfig, chosen: dict[str, dict[str, Any]], draft_dir: str | None) -> dict[str, Any] | None:

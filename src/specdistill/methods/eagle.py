@@ -18,6 +18,8 @@ def check(mcfg: EagleMethodConfig) -> None:
 
     if mcfg.variant not in VARIANTS:
         raise ConfigError(f"methods.{mcfg.name}.variant={mcfg.variant!r}: use one of {VARIANTS}")
+    if mcfg.step_weights not in mcfg.STEP_WEIGHTS:
+        raise ConfigError(f"methods.{mcfg.name}.step_weights={mcfg.step_weights!r}: use one of {mcfg.STEP_WEIGHTS}")
     if mcfg.variant != "eagle3" and (mcfg.fc_norm or mcfg.norm_output):
         raise ConfigError(f"methods.{mcfg.name}.fc_norm / norm_output are EAGLE-3.1 flags, for variant eagle3 only "
                           f"(this one is {mcfg.variant}): set them false")
@@ -45,7 +47,8 @@ def build(mcfg: EagleMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], ta
                            seed=int(cfg.get("seed", 0)), fc_norm=mcfg.fc_norm, norm_output=mcfg.norm_output)
     module = EagleModule(target.model, head, ttt_steps=mcfg.ttt_steps, step_decay=mcfg.step_decay,
                          feature_weight=mcfg.feature_weight, ce_weight=mcfg.ce_weight, noise=mcfg.noise,
-                         stored_layers=datamodule.stored_layers, **common)
+                         stored_layers=datamodule.stored_layers, step_weights=mcfg.step_weights,
+                         dpace_alpha=mcfg.dpace_alpha, **common)
 
     def save(out: Path, settings: dict[str, Any]) -> None:
         save_eagle(head.eval(), out, extra=settings)  # + eagle3/: the serving-engine layout

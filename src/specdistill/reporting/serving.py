@@ -34,15 +34,16 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
              "the choice is to serve without speculation at that load (\"off\"). Those choices make one schedule "
              "(vLLM's `num_speculative_tokens_per_batch_size`), served once more at every load: the \"deployed\" "
              "column is what a user serving it gets.", ""]
+    all_k = sorted({k for m in serve.values() for k in m["settings"].get("k", [])})  # a Medusa export serves fewer
     lines += ["| method | concurrency | K chosen | speed-up (geomean) | deployed | " + " | ".join(
-        f"K={k}" for k in any_s.get("k", [])) + " |", "|---|---|---|---|---|" + "---|" * len(any_s.get("k", []))]
+        f"K={k}" for k in all_k) + " |", "|---|---|---|---|---|" + "---|" * len(all_k)]
     for method, m in serve.items():
         ks = m["settings"].get("k", [])
         for c, chosen in sorted(m["chosen_k"].items(), key=lambda kv: int(kv[0][1:])):  # c1, c4, c16
             per_k = []
-            for k in ks:
-                xs = [t[c][f"k{k}"]["speedup"] for ds in m["results"].values() for t in ds.values()]
-                per_k.append(f"{statistics.geometric_mean(xs):.2f}x")
+            for k in all_k:
+                xs = [t[c][f"k{k}"]["speedup"] for ds in m["results"].values() for t in ds.values()] if k in ks else []
+                per_k.append(f"{statistics.geometric_mean(xs):.2f}x" if xs else "–")
             pick = (f"{chosen['k']} | {chosen['speedup_geomean']:.2f}x" if chosen["speedup_geomean"] >= 1.0 else
                     f"off (best K={chosen['k']}: {chosen['speedup_geomean']:.2f}x) | 1.00x")
             deployed = (m.get("deploy") or {}).get("speedup_geomean", {}).get(c)
@@ -65,6 +66,12 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
                     lines.append(f"| {method} | {ds} | {t[1:]} | {c[1:]} | {k} | {_f(row.get('tau'))} | "
                                  f"{_f(row.get('alpha_pos1'))} | {row['tokens_per_s']:.1f} | {ar['tokens_per_s']:.1f} | "
                                  f"{row['speedup']:.2f}x | {row['latency_p50_s']:.2f} | {ar['latency_p50_s']:.2f} |")
+    suspect = [(method, cell) for method, m in serve.items() for cell in m.get("above_tau", [])]
+    if suspect:
+        lines += ["", f"**Check these:** {len(suspect)} run(s) measured a speed-up above their tau, which one engine "
+                  "start cannot give (each step costs at least a target forward and yields tau tokens): the engine "
+                  "alone was slowed in that start, e.g. by another process. " + ", ".join(
+                      f"{method} {cell}" for method, cell in suspect[:8]) + (" ..." if len(suspect) > 8 else "")]
     lines += ["", "Cold start of each engine (s): " + "; ".join(
         f"{method}: " + ", ".join(f"{s} {v:.0f}" for s, v in m.get("cold_start_s", {}).items())
         for method, m in serve.items()), ""]

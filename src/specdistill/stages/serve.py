@@ -85,6 +85,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         results["scheduled"] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, deploy, max_model_len),
                                           **engine_kw)
         summary = summarise(scfg, results)
+    if summary["above_tau"]:
+        log.warning("serve@%s: %d run(s) measured a speed-up above their tau (%s): the engine alone ran slow in its "
+                    "start (another process on the machine?); rerun the stage on a quiet machine", scfg.method,
+                    len(summary["above_tau"]), ", ".join(summary["above_tau"][:4]))
     summary["deploy"] = {"speculative_config": deploy,
                          "speedup_geomean": scheduled_speedups(scfg, summary["results"]) if deploy else {}}
     agreement = ours_beside_engine(scfg, tcfg, prompts, results) if 0.0 in map(float, scfg.temperatures) else {}

@@ -103,7 +103,8 @@ class DistillModule(pl.LightningModule):
             return Teacher(logits=teacher.logits[:, self.d2t]), targets
         return teacher, targets
 
-    def _loss(self, student: torch.Tensor, teacher: Teacher, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _loss(self, student: torch.Tensor, teacher: Teacher, targets: torch.Tensor,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         teacher, targets = self.teacher_in_student_vocab(teacher, targets)
         # positions the student can learn from: a hard target it can emit, or teacher mass on its vocabulary
         if self.loss.name == "ce":
@@ -112,7 +113,8 @@ class DistillModule(pl.LightningModule):
             valid = torch.isfinite(teacher.logits).any(-1)
         else:
             valid = torch.ones_like(targets, dtype=torch.bool)
-        return self.loss(student, teacher, mask=valid, targets=targets.clamp(min=0)), int(valid.sum())
+        return (self.loss(student, teacher, mask=valid, targets=targets.clamp(min=0), weights=weights),
+                int(valid.sum()))
 
     def on_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch to train on: a method that samples its own continuations (DistillSpec) swaps them in."""

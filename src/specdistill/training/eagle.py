@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from specdistill.models.eagle import EagleHead, default_feature_layers, unit_rms
 from specdistill.models.hidden import HiddenTap
 from specdistill.training.base import DistillModule, MethodConfigBase
-from specdistill.training.losses import Teacher
+from specdistill.training.losses import Teacher, dpace_weights
 from specdistill.training.metrics import UnrolledAcceptance, token_acceptance
 
 
@@ -47,6 +47,8 @@ class EagleMethodConfig(MethodConfigBase):
     feature_weight: float = 1.0  # eagle1: SmoothL1 on the predicted state
     ce_weight: float = 0.1  # eagle1: weight of the token loss through the frozen LM head
     noise: float = 0.0  # uniform noise in [-noise, noise] on the (unit-RMS) input features while training
+    step_weights: str = "decay"  # decay: step i weighs step_decay^i | dpace: D-PACE weights per anchor (dpace_alpha)
+    dpace_alpha: float = 0.5
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per fused target layer before fc (eagle3 only)
     norm_output: bool = False  # EAGLE-3.1: the next training-time-test step reads the normed output (eagle3 only)
     # methods.eagle.trainer (MethodConfigBase) matters most here: with precomputed features an EAGLE step costs
@@ -54,7 +56,8 @@ class EagleMethodConfig(MethodConfigBase):
     teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
     RANGES: ClassVar[dict[str, str]] = {"feature_layers": "[0, inf)", "vocab_size": "[2, inf)", "ttt_steps": "[1, 16]",
                                         "step_decay": "(0, 1]", "feature_weight": "[0, inf)", "ce_weight": "[0, inf)",
-                                        "noise": "[0, inf)"}
+                                        "noise": "[0, inf)", "dpace_alpha": "(0, 1]"}
+    STEP_WEIGHTS = ("decay", "dpace")
 
     def layers(self, num_layers: int) -> list[int]:
         """The HiddenTap indices the head reads: feature_layers, or the variant's default for this target."""
@@ -118,7 +121,8 @@ class UnrolledStep:
 class EagleModule(DistillModule):
     def __init__(self, target_model: Any, head: EagleHead, ttt_steps: int = 3, step_decay: float = 0.8,
                  feature_weight: float = 1.0, ce_weight: float = 0.1, noise: float = 0.0,
-                 stored_layers: list[int] | None = None, **kwargs: Any):
+                 stored_layers: list[int] | None = None, step_weights: str = "decay", dpace_alpha: float = 0.5,
+                 **kwargs: Any):
         super().__init__(target_model, **kwargs)
         # distill.teacher=precomputed: train batches carry the features stage's states of `stored_layers`
         self.stored = None if stored_layers is None else [list(stored_layers).index(x) for x in head.cfg.feature_layers]
@@ -127,6 +131,7 @@ class EagleModule(DistillModule):
         self.head = head
         self.variant = head.cfg.variant
         self.ttt_steps, self.step_decay = ttt_steps, step_decay
+        self.step_weights, self.dpace_alpha = step_weights, dpace_alpha
         self.feature_weight, self.ce_weight, self.noise = feature_weight, ce_weight, noise
         self.use_draft_vocab(head.d2t)
         self.val_steps = max(ttt_steps, self.tau_k)
@@ -163,11 +168,27 @@ class EagleModule(DistillModule):
             yield UnrolledStep(i, anchors, scored, self.head.logits(out[anchors]).float(), teacher.select(row[scored]),
                                batch["labels"][scored], out, features)
 
+    def _dpace(self, steps: list[UnrolledStep]) -> list[torch.Tensor]:
+        """Each step's D-PACE weight at its anchors (in the order of its rows), from the head's own detached
+        probability of the token that followed (0 where its draft vocabulary cannot emit it)."""
+        confidence, valid = [], []
+        for s in steps:
+            _, targets = self.teacher_in_student_vocab(Teacher(), s.labels)
+            q = torch.softmax(s.student.detach().float(), -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+            grid = torch.zeros(s.anchors.shape, device=q.device)
+            grid[s.anchors] = torch.where(targets >= 0, q, torch.zeros_like(q))
+            confidence.append(grid)
+            valid.append(s.anchors)
+        return [w[s.anchors] for w, s in zip(dpace_weights(confidence, valid, self.dpace_alpha), steps, strict=True)]
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
-        for s in self._steps(batch, self.ttt_steps, self.noise):
-            loss, n = self._loss(s.student, Teacher() if self.loss.name == "ce" else s.teacher, s.labels)
-            weight = self.step_decay ** s.index * (self.ce_weight if self.variant == "eagle1" else 1.0)
+        steps = list(self._steps(batch, self.ttt_steps, self.noise))
+        per_anchor = self._dpace(steps) if self.step_weights == "dpace" else [None] * len(steps)
+        for s, w in zip(steps, per_anchor, strict=True):
+            loss, n = self._loss(s.student, Teacher() if self.loss.name == "ce" else s.teacher, s.labels, weights=w)
+            decay = 1.0 if w is not None else self.step_decay ** s.index  # D-PACE weighs the steps itself
+            weight = decay * (self.ce_weight if self.variant == "eagle1" else 1.0)
             total = total + weight * loss
             self.log(f"train/loss_step{s.index}", loss, batch_size=max(n, 1))
             if self.variant == "eagle1" and s.index == 0 and self.feature_weight > 0 and s.anchors.any():

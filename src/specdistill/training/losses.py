@@ -149,7 +149,9 @@ class Divergence(torch.nn.Module):
         raise NotImplementedError
 
     def forward(self, student_logits: Tensor, teacher: Teacher, mask: Tensor | None = None,
-                targets: Tensor | None = None) -> Tensor:
+                targets: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
+        """The mean over kept positions of the per-token divergence, each times its weight when `weights` [N] is
+        given (position weights such as D-PACE's: detached, they only scale)."""
         if mask is not None:
             # Drop masked-out rows before computing: padding costs nothing, and garbage there (NaN, -inf
             # rows of padded stored top-k) cannot leak into the loss or its gradient through 0 * NaN.
@@ -157,7 +159,9 @@ class Divergence(torch.nn.Module):
             student_logits = student_logits[mask]
             teacher = teacher.select(mask) if teacher is not None else None
             targets = targets[mask] if targets is not None else None
-        return masked_mean(self.per_token(student_logits, teacher, targets), None)
+            weights = weights[mask] if weights is not None else None
+        values = self.per_token(student_logits, teacher, targets)
+        return masked_mean(values if weights is None else values * weights.detach().float(), None)
 
 
 LOSSES: dict[str, type[Divergence]] = {}
@@ -251,6 +255,29 @@ class CrossEntropy(Divergence):
             raise LossError("ce needs targets (the generated tokens); the teacher is not used")
         lq = self.student_log_probs(student_logits)
         return -lq.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def dpace_weights(confidence: list[Tensor], valid: list[Tensor], alpha: float = 0.5) -> list[Tensor]:
+    """D-PACE position weights (arXiv 2605.18810; ModelOpt's and speculators' default DFlash objective) for the
+    positions 1..S of a drafted block (here the training-time-test steps of an anchor).
+
+    With q_i the draft's own probability of the true token at position i (detached) and q~_i = (1 - alpha) q_i
+    + alpha, w_j = sum_{m >= j} prod_{i <= m} q~_i: the expected number of positions from j on that the draft
+    would still reach, so position 1 weighs most and a position the draft rarely reaches little. A position with
+    no target counts 1 in the products and is left out of the sums. `confidence` and `valid` are per position
+    tensors of one shape (e.g. [B, T] anchors); the weights come back in that shape."""
+    if not 0 < alpha <= 1:
+        raise LossError(f"dpace: alpha must lie in (0, 1], got {alpha!r}")
+    reach, running = [], None
+    for q, ok in zip(confidence, valid, strict=True):
+        q_tilde = torch.where(ok, (1 - alpha) * q.detach().float() + alpha, torch.ones_like(q, dtype=torch.float32))
+        running = q_tilde if running is None else running * q_tilde
+        reach.append(torch.where(ok, running, torch.zeros_like(running)))
+    weights, tail = [], None
+    for r in reversed(reach):
+        tail = r if tail is None else tail + r
+        weights.append(tail)
+    return [w * ok for w, ok in zip(reversed(weights), valid, strict=True)]
 
 
 def acceptance(lp: Tensor, lq: Tensor) -> Tensor:
