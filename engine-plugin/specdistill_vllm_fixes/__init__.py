@@ -119,11 +119,11 @@ def register() -> None:
         from vllm.v1.spec_decode import medusa as medusa_proposer
     except ImportError:
         return
-    if not getattr(medusa.Medusa.__init__, "specdistill_fix", False):
-        medusa.Medusa.__init__ = medusa_truncated_init(medusa.Medusa.__init__)
-        medusa.Medusa.load_weights = medusa_load_weights(medusa.Medusa.load_weights)
-    if not getattr(medusa_proposer.MedusaProposer.propose, "specdistill_fix", False):
-        medusa_proposer.MedusaProposer.propose = medusa_propose(medusa_proposer.MedusaProposer.propose)
+    for owner, name, fix in ((medusa.Medusa, "__init__", medusa_truncated_init),
+                             (medusa.Medusa, "load_weights", medusa_load_weights),
+                             (medusa_proposer.MedusaProposer, "propose", medusa_propose)):
+        if not getattr(getattr(owner, name), "specdistill_fix", False):  # once per process
+            setattr(owner, name, fix(getattr(owner, name)))
     if not current_platform.is_cpu():
         return
     if expand_is_broken(cpu_triton_utils._expand_kernel_impl):

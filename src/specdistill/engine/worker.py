@@ -83,15 +83,20 @@ def run_bounded(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": sum(len(r["token_ids"]) for r in results if r)}
 
 
+def installed_fixes() -> Any:
+    """engine-plugin/'s module in this environment, or None."""
+    try:
+        import specdistill_vllm_fixes as fixes
+    except ImportError:
+        return None
+    return fixes
+
+
 def check_medusa_fixes(spec: dict[str, Any] | None) -> None:
     """Medusa needs engine-plugin/'s Medusa fixes (reduced heads, batch-size schedules) on any platform."""
     if (spec or {}).get("method") != "medusa":
         return
-    try:
-        import specdistill_vllm_fixes as fixes
-    except ImportError:
-        fixes = None
-    if not hasattr(fixes, "medusa_propose"):
+    if not hasattr(installed_fixes(), "medusa_propose"):
         raise SystemExit("serving Medusa needs specdistill's vLLM fixes (engine-plugin/, 0.2 or later): run `make engine`, "
                          "or `pip install ./engine-plugin` into the environment of $SPECDISTILL_ENGINE_PYTHON")
 
@@ -106,10 +111,7 @@ def check_cpu_fixes() -> list[str]:
 
     if not current_platform.is_cpu():
         return []
-    try:
-        import specdistill_vllm_fixes as fixes
-    except ImportError:
-        fixes = None
+    fixes = installed_fixes()
     if fixes is None or fixes.expand_is_broken(fixes.expand):
         raise SystemExit("the engine environment lacks specdistill's vLLM CPU fixes (engine-plugin/): run `make engine`, "
                          "or `pip install ./engine-plugin` into the environment of $SPECDISTILL_ENGINE_PYTHON")
