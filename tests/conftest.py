@@ -65,6 +65,20 @@ def make_model(vocab_size: int, seed: int = 0, layers: int = 2):
     return model
 
 
+def make_engine_model(vocab_size: int, seed: int = 0):
+    """A tiny random Llama the CPU engine serves (2 heads of 64: its attention kernels need that head size)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # a sharp distribution: greedy ties are rare
+    return model
+
+
 def save_mtbench(prompts_dir: Path, turns: tuple[str, ...] = ("Write a poem.", "Shorter.")) -> None:
     """One MT-bench conversation in the prompt contract, saved where the evaluate stage reads it."""
     from specdistill.stages.prepare import save_split

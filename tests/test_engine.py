@@ -27,24 +27,11 @@ from specdistill.models.eagle import load_eagle
 from specdistill.models.medusa import load_medusa
 from specdistill.stages import train as train_stage
 
-from .conftest import make_tokenizer
+from .conftest import make_engine_model, make_tokenizer
 from .test_train import composed, overrides
 
 pytestmark = pytest.mark.engine
 K, NEW = 3, 24
-
-
-def engine_target(vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # a sharp distribution: greedy ties are rare
-    return model
 
 
 def greedy(model, prompt: list[int], n: int = NEW) -> list[int]:
@@ -64,7 +51,7 @@ def served(tmp_path_factory):
     """The exported target, and an EAGLE-3 head trained on its own greedy answers by the train stage, exported."""
     tmp = tmp_path_factory.mktemp("engine")
     tok = make_tokenizer()
-    model = engine_target(len(tok))
+    model = make_engine_model(len(tok))
     target_dir = export_target(model, tok, tmp / "target", fingerprint="tiny-engine")
     gen = tmp / "generated"
     for split, n, seed in (("train", 96, 0), ("val", 16, 1)):

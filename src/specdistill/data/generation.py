@@ -31,6 +31,7 @@ from specdistill.sampling import sample_logits
 log = logging.getLogger(__name__)
 
 SOURCES = ("target", "dataset")
+ENGINES = ("own", "vllm")
 
 
 class GenerationError(RuntimeError):
@@ -50,13 +51,32 @@ class GenerateConfig:
     topk_logprobs: int = 0  # store the target's top-k logprobs per response position (0: off)
     compact_below: float = 0.75  # drop finished rows once fewer than this fraction of the batch is alive
     seed: int = 0
+    engine: str = "own"  # own: this package's batched loop | vllm: the serving engine (engine/generation.py)
+    engine_workers: int = 1  # engine processes side by side, each on its own shards (data parallel)
+    engine_tp: int = 1  # GPUs per engine process (tensor parallel; engine_device=cuda)
+    engine_device: str = "cpu"  # cpu: the workers split the cores | cuda: worker w takes GPUs [w*tp, (w+1)*tp)
+    engine_timeout_s: int = 86400
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "temperature": "[0, 2]", "top_p": "(0, 1]", "top_k": "[0, inf)", "max_new_tokens": "[1, inf)",
-        "batch_size": "[1, inf)", "shard_size": "[1, inf)", "topk_logprobs": "[0, inf)", "compact_below": "[0, 1]"}
+        "batch_size": "[1, inf)", "shard_size": "[1, inf)", "topk_logprobs": "[0, inf)", "compact_below": "[0, 1]",
+        "engine_workers": "[1, inf)", "engine_tp": "[1, inf)", "engine_timeout_s": "[1, inf)"}
+    # how the answers are computed, not what they are: kept out of the data's fingerprint (the engine's name and
+    # version go in instead, from the stage)
+    HOW: ClassVar[tuple[str, ...]] = ("splits", "engine", "engine_workers", "engine_tp", "engine_device", "engine_timeout_s")
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise GenerationError(f"generate.source={self.source!r}: use one of {SOURCES}")
+        if self.engine not in ENGINES:
+            raise GenerationError(f"generate.engine={self.engine!r}: use one of {ENGINES}")
+        if self.engine == "vllm" and self.source != "target":
+            raise GenerationError("generate.engine=vllm answers with the target: it needs generate.source=target "
+                                  "(the dataset's own answers need no engine)")
+        if self.engine_device not in ("cpu", "cuda"):
+            raise GenerationError(f"generate.engine_device={self.engine_device!r}: use cpu or cuda")
+        if self.engine_tp > 1 and self.engine_device != "cuda":
+            raise GenerationError(f"generate.engine_tp={self.engine_tp} splits a target over GPUs: it needs "
+                                  "generate.engine_device=cuda (on a CPU use engine_workers)")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
             raise GenerationError("generate.max_new_tokens, batch_size and shard_size must be >= 1")
         if not 0 < self.top_p <= 1:
@@ -64,7 +84,7 @@ class GenerateConfig:
 
     def fingerprint(self, extra: dict[str, Any]) -> str:
         """What decides a shard's content; a shard written under another fingerprint is stale."""
-        keep = {k: v for k, v in asdict(self).items() if k not in ("splits",)}
+        keep = {k: v for k, v in asdict(self).items() if k not in self.HOW}
         return config_hash({**keep, **extra})
 
 
@@ -199,7 +219,7 @@ def generate_shard(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: 
     """Generate one shard's columns. Prompts run sorted by length; output keeps the input order."""
     stops = stop_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
-    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    prompts = tokenise_prompts(tokenizer, rows)
     responses: list[list[int]] = [[] for _ in rows]
     topk_ids: list[Any] = [None] * len(rows)
     topk_lp: list[Any] = [None] * len(rows)
@@ -220,13 +240,24 @@ def generate_shard(model: Any, tokenizer: Any, rows: list[dict[str, Any]], cfg: 
                 topk_ids[i], topk_lp[i] = res.topk_ids[j], res.topk_logprobs[j]
         if on_tokens:
             on_tokens(len(batch), sum(len(r) for r in res.responses))
+    return shard_columns(rows, prompts, responses, (topk_ids, topk_lp) if cfg.topk_logprobs > 0 else None)
+
+
+def tokenise_prompts(tokenizer: Any, rows: list[dict[str, Any]]) -> list[list[int]]:
+    """The prompts' token ids as every generation path feeds them (the chat template is already in the text)."""
+    return [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+
+
+def shard_columns(rows: list[dict[str, Any]], prompts: list[list[int]], responses: list[list[int]],
+                  topk: tuple[list[Any], list[Any]] | None = None) -> dict[str, list[Any]]:
+    """A shard's columns (the output contract): id, input_ids (prompt + response), prompt_len, and top-k."""
     cols: dict[str, list[Any]] = {
         "id": [r["id"] for r in rows],
         "input_ids": [p + r for p, r in zip(prompts, responses, strict=True)],
         "prompt_len": [len(p) for p in prompts],
     }
-    if cfg.topk_logprobs > 0:
-        cols["topk_ids"], cols["topk_logprobs"] = topk_ids, topk_lp
+    if topk is not None:
+        cols["topk_ids"], cols["topk_logprobs"] = topk
     return cols
 
 

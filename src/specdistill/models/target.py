@@ -63,7 +63,8 @@ class TargetOutput:
     cache: Any = None
 
 
-def _fingerprint(cfg: TargetConfig, model: torch.nn.Module) -> str:
+def _fingerprint(cfg: TargetConfig, config: Any) -> str:
+    """What names the target's weights: the GGUF's or the folder's sha256, or the hub commit (from its HF config)."""
     path = Path(cfg.name_or_path)
     if cfg.gguf_file:
         return "sha256:" + sha256_file(path / cfg.gguf_file)
@@ -76,7 +77,7 @@ def _fingerprint(cfg: TargetConfig, model: torch.nn.Module) -> str:
             h.update(w.name.encode())
             h.update(sha256_file(w).encode())
         return "sha256:" + h.hexdigest()
-    commit = getattr(model.config, "_commit_hash", None) or cfg.revision or "unknown"
+    commit = getattr(config, "_commit_hash", None) or cfg.revision or "unknown"
     return f"hub:{cfg.name_or_path}@{commit}"
 
 
@@ -147,6 +148,11 @@ def load_target_config(cfg: TargetConfig) -> Any:
                           "stage first, or point target.name_or_path at a local model folder") from e
 
 
+def target_fingerprint(cfg: TargetConfig) -> str:
+    """The target's fingerprint without loading its weights (the engine loads them in its own process)."""
+    return _fingerprint(cfg, None if cfg.gguf_file or Path(cfg.name_or_path).is_dir() else load_target_config(cfg))
+
+
 def load_target(cfg: TargetConfig | dict[str, Any]) -> Target:
     """Load and freeze the target described by `cfg` (see conf/target/)."""
     from transformers import AutoModelForCausalLM
@@ -179,7 +185,7 @@ def load_target(cfg: TargetConfig | dict[str, Any]) -> Target:
                           "target.name_or_path at a local folder or use the default GGUF target") from e
     model.to(cfg.device)
     tokenizer = load_tokenizer(cfg)
-    target = Target(model, tokenizer, _fingerprint(cfg, model))
+    target = Target(model, tokenizer, _fingerprint(cfg, model.config))
     log.info("target %s loaded (%s, %d layers, vocab %d, %s)", cfg.name_or_path, cfg.dtype,
              target.num_layers, target.vocab_size, target.fingerprint[:20])
     return target

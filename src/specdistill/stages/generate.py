@@ -11,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import datasets
@@ -25,11 +28,24 @@ from specdistill.data.generation import (
     generate_shard,
     pop_legacy_stats,
     prepare_output,
+    shard_columns,
     shard_name,
+    stop_ids,
+    tokenise_prompts,
     write_shard,
 )
+from specdistill.engine.client import engine_version
+from specdistill.engine.generation import generate_with_engine
+from specdistill.export.target import export_target
 from specdistill.io import write_json
-from specdistill.models.target import TargetConfig, context_length, load_target
+from specdistill.models.target import (
+    TargetConfig,
+    context_length,
+    load_target,
+    load_target_config,
+    load_tokenizer,
+    target_fingerprint,
+)
 from specdistill.stages.common import check_outputs, environment, section
 from specdistill.tracking import wandb_run
 
@@ -50,16 +66,23 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if len(splits[split]) == 0:
             raise GenerationError(f"prompt split {split} is empty: check the data config")
 
-    target = load_target(tcfg)
-    check_context(splits, gcfg.max_new_tokens, context_length(target.config))  # before any shard is touched
-    fingerprint = gcfg.fingerprint({"target": target.fingerprint, "dtype": tcfg.dtype,
-                                    "prompts": {s: content_hash(d) for s, d in splits.items()}})
+    engine = engine_version() if gcfg.engine == "vllm" else None  # no engine environment: an error now
+    # the engine loads an HF target in its own process; a GGUF target is loaded here to be exported for it
+    target = load_target(tcfg) if gcfg.engine == "own" or tcfg.gguf_file else None
+    tokenizer = target.tokenizer if target else load_tokenizer(tcfg)
+    config = target.config if target else load_target_config(tcfg)
+    target_fp = target.fingerprint if target else target_fingerprint(tcfg)
+    check_context(splits, gcfg.max_new_tokens, context_length(config))  # before any shard is touched
+    fingerprint = gcfg.fingerprint({"target": target_fp, "dtype": tcfg.dtype,
+                                    "prompts": {s: content_hash(d) for s, d in splits.items()},
+                                    **({"engine": engine} if engine else {})})
     prepare_output(out, fingerprint)
     plan = [(s, i, range(i * gcfg.shard_size, min((i + 1) * gcfg.shard_size, len(d))))
             for s, d in splits.items() for i in range((len(d) + gcfg.shard_size - 1) // gcfg.shard_size)]
     todo = [p for p in plan if not (out / p[0] / shard_name(p[1])).exists()]
     timing, env = kept_timing(timing_file, fingerprint, out, plan), environment()  # env: once, not per shard
-    log.info("%d shard(s) planned, %d already whole, %d to generate", len(plan), len(plan) - len(todo), len(todo))
+    log.info("%d shard(s) planned, %d already whole, %d to generate%s", len(plan), len(plan) - len(todo), len(todo),
+             f" with {engine} ({gcfg.engine_workers} worker(s))" if engine else "")
 
     group = cfg.get("experiment_name", "default")
     with wandb_run(cfg.get("logger"), job_type="generate", group=group, config=cfg) as run_:
@@ -74,15 +97,21 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             bar.set_postfix(tok_s=f"{rate:.0f}", tokens=new_tokens)
             run_.log({"generate/tokens": new_tokens, "generate/tokens_per_s": rate})
 
-        for split, idx, rows in todo:
-            rows_ = [splits[split][i] for i in rows]
-            seed = gcfg.seed * 1_000_003 + idx + (0 if split == "train" else 500_009)
-            t_shard, before = time.perf_counter(), new_tokens
-            cols = generate_shard(target.model, target.tokenizer, rows_, gcfg, seed, on_tokens)
-            write_shard(cols, out / split / shard_name(idx))
-            timing[f"{split}/{shard_name(idx)}"] = {"new_tokens": new_tokens - before,
-                                                    "seconds": round(time.perf_counter() - t_shard, 3)}
+        def shard_done(key: str, cols: dict[str, list[Any]], seconds: float) -> None:
+            """A whole shard under its final name, then its timing (a kill between the two leaves it untimed)."""
+            write_shard(cols, out / key)
+            timing[key] = {"new_tokens": sum(len(x) for x in cols["input_ids"]) - sum(cols["prompt_len"]),
+                           "seconds": round(seconds, 3)}
             write_timing(timing_file, fingerprint, timing, plan, env)
+
+        workers = None
+        if engine:
+            workers = answer_with_engine(gcfg, tcfg, target, tokenizer, splits, todo, on_tokens, shard_done)
+        for split, idx, rows in todo if not engine else []:
+            t_shard = time.perf_counter()
+            cols = generate_shard(target.model, tokenizer, [splits[split][i] for i in rows], gcfg,
+                                  shard_seed(gcfg, split, idx), on_tokens)
+            shard_done(f"{split}/{shard_name(idx)}", cols, time.perf_counter() - t_shard)
         bar.close()
         elapsed = time.perf_counter() - t0
 
@@ -95,8 +124,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             c["prompt_tokens"] += p
             c["response_tokens"] += r
         manifest = {
-            "config": {"generate": vars(gcfg), "target": vars(tcfg)},
-            "target_fingerprint": target.fingerprint,
+            "config": {"generate": {k: v for k, v in vars(gcfg).items() if k == "splits" or k not in gcfg.HOW},
+                       "target": vars(tcfg)},
+            **({"engine": engine} if engine else {}),
+            "target_fingerprint": target_fp,
             "fingerprint": fingerprint,
             "counts": counts,
             "columns": ["id", "input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if gcfg.topk_logprobs else []),
@@ -105,12 +136,63 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         }
         write_json(out / "manifest.json", manifest)
         this_run = {"shards": len(todo), "new_tokens": new_tokens, "seconds": round(elapsed, 2)}
+        if workers is not None:
+            this_run["engine"] = {"name": engine, "workers": len(workers),
+                                  "cold_start_s": [round(w["cold_start_s"], 1) for w in workers]}
         metrics = write_timing(timing_file, fingerprint, timing, plan, env, this_run)
         manifest = {**manifest, "generation": metrics["generation"], "this_run": this_run}
         run_.summary.update({f"generate/{s}_{k}": v for s, c in counts.items() for k, v in c.items()})
     log.info("generated %d new tokens in %.1f s (%.1f tokens/s); totals %s", new_tokens, elapsed,
              new_tokens / max(elapsed, 1e-9), counts)
     return manifest
+
+
+def shard_seed(gcfg: GenerateConfig, split: str, idx: int) -> int:
+    """Each shard's own seed, so a resumed run samples a shard as a whole run would."""
+    return gcfg.seed * 1_000_003 + idx + (0 if split == "train" else 500_009)
+
+
+def answer_with_engine(gcfg: GenerateConfig, tcfg: TargetConfig, target: Any, tokenizer: Any, splits: dict[str, Any],
+                       todo: list[tuple[str, int, range]], on_tokens: Callable[[int, int], None],
+                       shard_done: Callable[[str, dict[str, list[Any]], float], None]) -> list[dict[str, Any]]:
+    """The shards in `todo` answered by the serving engine (generate.engine=vllm), each handed to `shard_done` as the
+    own loop's are; the engine's workers' results (cold starts, versions)."""
+    todo_rows = {f"{split}/{shard_name(idx)}": [splits[split][i] for i in rows] for split, idx, rows in todo}
+    prompts = {key: tokenise_prompts(tokenizer, rows) for key, rows in todo_rows.items()}
+    shards = [{"key": f"{split}/{shard_name(idx)}", "prompts": prompts[f"{split}/{shard_name(idx)}"],
+               "seed": shard_seed(gcfg, split, idx)} for split, idx, _ in todo]
+    longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
+
+    def on_shard(key: str, rows: list[dict[str, Any]], seconds: float) -> None:
+        responses = [r["response"] for r in rows]
+        topk = ([r["topk_ids"] for r in rows], [r["topk_logprobs"] for r in rows]) if gcfg.topk_logprobs else None
+        shard_done(key, shard_columns(todo_rows[key], prompts[key], responses, topk), seconds)
+        on_tokens(len(rows), sum(len(r) for r in responses))
+
+    with tempfile.TemporaryDirectory(prefix="specdistill-target-") as tmp:
+        if target is not None:  # a GGUF target: the engine reads the HF folder written from its dequantised weights
+            model_dir, gen_source = export_target(target.model, tokenizer, Path(tmp) / "target", target.fingerprint,
+                                                  target.dtype), target.model
+        else:
+            model_dir, gen_source = Path(tcfg.name_or_path), SimpleNamespace(generation_config=generation_config(tcfg))
+        job = {"target": str(model_dir), "revision": None if target is not None else tcfg.revision,
+               "dtype": tcfg.dtype, "max_model_len": longest + gcfg.max_new_tokens, "max_num_seqs": gcfg.batch_size,
+               "seed": gcfg.seed, "tensor_parallel_size": gcfg.engine_tp,
+               "sampling": {"temperature": gcfg.temperature, "top_p": gcfg.top_p, "top_k": gcfg.top_k,
+                            "max_tokens": gcfg.max_new_tokens, "logprobs": gcfg.topk_logprobs,
+                            "stop_token_ids": sorted(stop_ids(gen_source, tokenizer))}}
+        return generate_with_engine(job, shards, workers=gcfg.engine_workers, device=gcfg.engine_device,
+                                    tp=gcfg.engine_tp, timeout_s=gcfg.engine_timeout_s, on_shard=on_shard)
+
+
+def generation_config(tcfg: TargetConfig) -> Any:
+    """The target's generation config (its eos ids) without its weights; None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(tcfg.name_or_path, revision=tcfg.revision)
+    except OSError:
+        return None
 
 
 def check_context(splits: dict[str, Any], max_new_tokens: int, context: int | None) -> None:
