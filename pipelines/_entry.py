@@ -32,7 +32,10 @@ def stage_main(run: Callable[[dict[str, Any]], Any]) -> None:
         sys.exit(0)
     _check_config_file(sys.argv[1:])
     if not any(a.startswith("hydra.job.name=") for a in sys.argv[1:]):
-        sys.argv.append(f"hydra.job.name={stage}")  # logs and Hydra's app name: the stage, not `_entry`
+        # logs and Hydra's app name: the stage, not `_entry`. Hydra's parser takes the overrides as one run of
+        # words anywhere among its flags: join the user's run (`-m a=1 --cfg hydra`), never split it
+        at = next((i for i, a in enumerate(sys.argv) if i and "=" in a and not a.startswith("-")), len(sys.argv))
+        sys.argv.insert(at, f"hydra.job.name={stage}")
     _main()
 
 

@@ -125,3 +125,13 @@ def test_stage_help_says_what_it_does_reads_and_writes():
     assert "train@draft" in out and "Reads:  <data>" in out
     assert "Writes: models/<key>" in out and "loss         ce | fkl | jsd" in out and "--cfg job" in out
     assert len(out.splitlines()) < 60
+
+
+@pytest.mark.parametrize("args", [["loss=tvd", "--cfg", "hydra"], ["--cfg", "hydra", "loss=tvd"]])
+def test_overrides_before_or_after_a_flag_keep_the_stages_name(args):
+    """The front door adds `hydra.job.name=<stage>` to the user's overrides: once appended after `--cfg hydra`,
+    it split `loss=tvd --cfg hydra` into two runs of words that Hydra's parser refused."""
+    out = subprocess.run([sys.executable, str(ROOT / "pipelines/train.py"), *args], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert "    name: train\n" in out.stdout and "- loss=tvd" in out.stdout

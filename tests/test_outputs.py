@@ -144,3 +144,16 @@ def test_a_folder_that_appears_while_the_stage_runs_is_not_deleted(tmp_path, mon
             (tmp_path / "late").mkdir()
             (tmp_path / "late" / "user.txt").write_text("keep")
     assert (tmp_path / "late" / "user.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("var", ["RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID"])
+def test_a_process_any_launcher_names_as_another_rank_is_not_rank_zero(var, monkeypatch):
+    """srun sets only SLURM_PROCID / SLURM_LOCALID: every rank of an sbatch job once took itself for rank zero, and
+    the second stopped at the output lock ("another run is writing")."""
+    from specdistill.outputs import RANK_VARIABLES, is_rank_zero
+
+    for v in RANK_VARIABLES:
+        monkeypatch.delenv(v, raising=False)
+    assert is_rank_zero()
+    monkeypatch.setenv(var, "1")
+    assert not is_rank_zero()

@@ -125,6 +125,15 @@ def check_files(files: Mapping[str, str | Path]) -> None:
 _held: dict[Path, int] = {}  # lock file -> descriptor, held until the process ends (the OS releases it then)
 
 
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")  # torchrun / Lightning, then srun's
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is the first of its run: torchrun sets RANK / LOCAL_RANK, srun only SLURM_PROCID /
+    SLURM_LOCALID (Lightning reads those under SLURM), so each is asked; a process none names is rank zero."""
+    return all(os.environ.get(v, "0") == "0" for v in RANK_VARIABLES)
+
+
 def lock_output(path: str | Path, key: str) -> None:
     """Hold an exclusive lock on one output (a folder or a file) for the rest of this process, or refuse at
     once when another run holds it: two runs writing one folder once wiped each other's shards.
@@ -133,7 +142,7 @@ def lock_output(path: str | Path, key: str) -> None:
     appears in the project (a refused run leaves no trace), locked with `flock`, so a killed run leaves no
     stale lock. It guards one machine: runs on two nodes of a shared file system do not see each other's.
     Only the first process of a distributed run locks (the other ranks write nothing of their own)."""
-    if os.environ.get("RANK", "0") != "0" or os.environ.get("LOCAL_RANK", "0") != "0":
+    if not is_rank_zero():
         return
     path = Path(path).resolve()
     lock = Path(tempfile.gettempdir()) / "specdistill-locks" / f"{hashlib.sha1(str(path).encode()).hexdigest()}.lock"

@@ -13,11 +13,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from specdistill.outputs import is_rank_zero
+
 log = logging.getLogger(__name__)
-
-
-def is_rank_zero() -> bool:
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
 
 
 class _NoRun:
