@@ -32,8 +32,9 @@ setup: $(VENV)/.installed
 # vLLM pins torch and transformers apart from the project's: it gets its own environment, and the project talks to
 # it as a process (src/specdistill/engine). torchvision / torchaudio / torchcodec, which its dependencies pull in,
 # do not load against the CPU torch and break `import vllm`; a text-only engine needs none of them.
-# engine-plugin/ is a vLLM general plugin with our fixes to the CPU engine (its docstring says which and why).
-$(ENGINE_VENV)/.installed: requirements-engine.txt engine-plugin/pyproject.toml engine-plugin/specdistill_vllm_fixes/__init__.py
+# engine-plugin/ is a vLLM general plugin with our fixes to the CPU engine (its docstring says which and why) and
+# the CPU-capable hidden-states connector the features stage uses (hidden_states.py).
+$(ENGINE_VENV)/.installed: requirements-engine.txt engine-plugin/pyproject.toml $(wildcard engine-plugin/specdistill_vllm_fixes/*.py)
 	$(PY) -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip
 	$(ENGINE_VENV)/bin/python -m pip install -q "$(ENGINE)" -r requirements-engine.txt

@@ -80,6 +80,12 @@ def served(tmp_path_factory):
                                         "methods.medusa.num_heads=3", "trainer.max_steps=120",
                                         "trainer.val_check_interval=120", "distill.data.batch_size=8",
                                         "distill.optimizer.lr=3e-3")))
+    # a DFlash block drafter (blocks of 4: K = 3), its target layers given out of order (the export sorts them)
+    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=dflash", "loss=fkl", "methods.dflash.vocab_size=200",
+                                        "methods.dflash.feature_layers=[3,1,2]", "methods.dflash.block_size=4",
+                                        "methods.dflash.num_layers=1", "methods.dflash.trainer={max_steps:240}",
+                                        "trainer.val_check_interval=240", "distill.data.batch_size=8",
+                                        "distill.optimizer.lr=3e-3")))
     head = load_eagle(tmp / "models/eagle", model)
     eagle_dir = export_eagle3(head, tmp / "export/eagle", target_dir, num_speculative_tokens=K)
     return {"model": model, "head": head, "target": target_dir, "eagle": eagle_dir, "tmp": tmp}
@@ -207,7 +213,29 @@ def test_engine_serves_our_medusa_heads_as_ours(served):
     assert 0 < c4["vllm:spec_decode_num_drafts"] <= c4["vllm:spec_decode_num_draft_tokens"] < K * c4["vllm:spec_decode_num_drafts"]
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft", "medusa", "ngram"])
+def test_engine_serves_our_dflash_drafter_as_ours(served):
+    """The block drafter in the speculators DFlash format: the engine's greedy output is the target's, and its
+    accepted tokens per position are our decoder's on the same block (K=3, T=0): the aux layer order, the mask
+    embedding, the non-causal block and the reduced head all read as we trained them."""
+    from specdistill.decoding.dflash import DFlashProposer
+    from specdistill.export.dflash import export_dflash
+    from specdistill.models.dflash import load_dflash
+
+    model, tmp = served["model"], served["tmp"]
+    drafter = load_dflash(tmp / "models/dflash", model)
+    export = export_dflash(drafter, tmp / "export/dflash", served["target"])
+    plist = prompts(8, 12, model.config.vocab_size)
+    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "prompts": plist}]
+    res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
+                      "speculative_config": {"method": "dflash", "model": str(export), "num_speculative_tokens": K}})
+    assert [r["token_ids"] for r in res["runs"][0]["requests"]] == [greedy(model, p) for p in plist]
+    _, drafts, per_pos = ours_chain(model, None, plist, DFlashProposer(drafter, k=K))
+    spec = res["runs"][0]["spec"]
+    assert spec["vllm:spec_decode_num_drafts"] == drafts and spec["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
+    assert per_pos[0] / drafts > 0.2, "the trained drafter must accept something, or the comparison proves little"
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft", "medusa", "dflash", "ngram"])
 def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     """The stages end to end on the tiny target: export@target and export@eagle from the trained head, then
     serve@<method> against the engine alone, with our decoder's acceptance beside the engine's."""
@@ -224,13 +252,15 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     for what in ("target", method) if method != "ngram" else ("target",):
         export_stage.run(composed(*common, f"export.method={what}", f"export.eagle_path={served['tmp']}/models/eagle",
                                   f"export.draft_path={served['tmp']}/models/draft_full",
-                                  f"export.medusa_path={served['tmp']}/models/medusa"))
+                                  f"export.medusa_path={served['tmp']}/models/medusa",
+                                  f"export.dflash_path={served['tmp']}/models/dflash"))
     m = serve_stage.run(composed(*common, f"serve.method={method}", "serve.k=[2]", "serve.agreement_k=2",
                                  "serve.concurrency=[1,2]", "serve.temperatures=[0.0]", "serve.datasets=[mtbench]",
                                  "serve.num_prompts=1", "serve.max_new_tokens=16", "serve.deploy_min_speedup=0",
                                  f"serve.eagle_path={served['tmp']}/models/eagle",
                                  f"serve.draft_path={served['tmp']}/models/draft_full",
-                                 f"serve.medusa_path={served['tmp']}/models/medusa"))
+                                 f"serve.medusa_path={served['tmp']}/models/medusa",
+                                 f"serve.dflash_path={served['tmp']}/models/dflash"))
     saved = json.loads((tmp_path / f"metrics/serve_{method}.json").read_text())
     assert saved["settings"]["vllm"] == "0.32.0" and saved["settings"]["method"] == method
     cell = saved["results"]["mtbench"]["T0.0"]["c1"]

@@ -218,3 +218,27 @@ def test_a_speedup_above_tau_is_flagged_as_a_slow_baseline():
     text = "\n".join(serving_tables({"eagle": m, "medusa": {**m, "settings": {"k": [1]}, "above_tau": []}}))
     assert "**Check these:** 1 run(s)" in text and "eagle mtbench|T0.0|c1|k3" in text
     assert "| medusa | 1 | " in text and text.count("–") >= 1  # K=3 not served by medusa: a dash, not a shifted column
+
+
+def test_the_engine_alone_before_and_after_the_k_starts_is_the_baseline():
+    """serve.ar_bracket: a machine that slowed during the stage (the engine alone at 100 tokens/s first, 80 last)
+    gives the K starts the mean of the two as their baseline, keeps both, and names the run as drifted."""
+    from specdistill.engine.serving import summarise
+
+    class Cfg:
+        concurrency, k, deploy_min_speedup = [1], [1], 1.0
+
+    def run(tokens_per_s, accepted=0, drafts=0):
+        spec = {"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_draft_tokens": drafts,
+                "vllm:spec_decode_num_accepted_tokens": accepted,
+                "vllm:spec_decode_num_accepted_tokens_per_pos": [accepted]}
+        return {"runs": [{"name": "mtbench|0.0|1", "wall_s": 1.0, "output_tokens": tokens_per_s,
+                          "requests": [{"latency_s": 1.0, "token_ids": []}], "spec": spec}]}
+
+    out = summarise(Cfg(), {"ar": run(100), "k1": run(99, 50, 100), "ar_last": run(80)})
+    cell = out["results"]["mtbench"]["T0.0"]["c1"]
+    assert set(cell) == {"ar", "k1"} and cell["ar"]["tokens_per_s"] == 90.0
+    assert cell["ar"]["tokens_per_s_first"] == 100 and cell["ar"]["tokens_per_s_last"] == 80
+    assert cell["k1"]["speedup"] == 1.1 and out["baseline_drift"] == ["mtbench|T0.0|c1"]
+    steady = summarise(Cfg(), {"ar": run(100), "k1": run(99, 50, 100), "ar_last": run(96)})
+    assert steady["baseline_drift"] == [] and steady["results"]["mtbench"]["T0.0"]["c1"]["ar"]["drift"] == 0.0408

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import specdistill.decoding.loop as loop
+from specdistill.decoding.dflash import DFlashProposer
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import SamplingConfig, speculative_generate
 from specdistill.decoding.medusa import MedusaProposer
@@ -29,6 +30,7 @@ from specdistill.models.medusa import MedusaConfig, MedusaHeads
 
 from .stats import chi2_p
 from .test_decoding import BigramProposer, V, exact_marginals, one_thread, tables  # noqa: F401 (fixture)
+from .test_dflash import bigram_drafter
 from .test_eagle import bigram_head
 from .test_medusa import FeatureBigramVerifier
 
@@ -52,6 +54,7 @@ PROPOSERS = {  # every drafting shape the decoder verifies
                                                 capacity=64),
     "eagle_dynamic": lambda draft: EagleProposer(
         bigram_head(), EagleTreeConfig(shape="dynamic", depth=3, top_k=2, total_tokens=5), capacity=64),
+    "dflash_chain": lambda draft: DFlashProposer(bigram_drafter(block=4)),  # each slot sampled from its own q
     "medusa": lambda draft: MedusaProposer(medusa_heads(), [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]),
     "union": lambda draft: UnionProposer(
         EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3), capacity=64),

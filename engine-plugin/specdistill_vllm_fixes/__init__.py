@@ -25,6 +25,9 @@ upstream runs its own code.
    proposer asserts that the K the scheduler asks for equals the configured K, so any schedule with a
    smaller K (or 0) at some load stops the engine. Head k's draft does not depend on the heads after it: the
    fix drafts with all heads and keeps the first K asked for.
+
+Beside the fixes, `hidden_states.py` holds a KV connector (not loaded by `register`; a job names it) that
+captures the target's hidden states on a CPU, where vLLM's example connector needs CUDA (its docstring).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ The `features` stage writes, beside each generate-stage shard, `<features_dir>/<
   live path would have run the target on.
 
 `features_dir/manifest.json` records the fingerprint (the generated data's, the target's, max_length,
-layers, k, dtype); the train stage refuses a store whose fingerprint does not fit its own config.
+layers, k, dtype, and the engine's name and version when `features.engine=vllm` computed it); the train stage
+refuses a store whose fingerprint does not fit its own config. Both engines write the same shard format.
 """
 
 from __future__ import annotations
@@ -39,19 +40,32 @@ class FeaturesConfig:
     dtype: str = "bfloat16"  # the stored features (the live path feeds the target's bf16 states)
     batch_size: int = 8
     splits: list[str] = field(default_factory=lambda: ["train"])  # []: nothing (an experiment whose EAGLE runs live)
-    RANGES: ClassVar[dict[str, str]] = {"layers": "[0, inf)", "topk": "[1, inf)", "batch_size": "[1, inf)"}
+    engine: str = "own"  # own: this package's pass | vllm: the serving engine (engine/features.py)
+    engine_workers: int = 1  # engine processes side by side, each on its own shards
+    engine_device: str = "cpu"  # cpu: the workers split the cores | cuda: worker w takes GPU w
+    engine_timeout_s: int = 86400
+    RANGES: ClassVar[dict[str, str]] = {"layers": "[0, inf)", "topk": "[1, inf)", "batch_size": "[1, inf)",
+                                        "engine_workers": "[1, inf)", "engine_timeout_s": "[1, inf)"}
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"features.dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
         if self.topk < 1 or self.batch_size < 1:
             raise ValueError(f"features.topk={self.topk} and features.batch_size={self.batch_size} must be >= 1")
+        if self.engine not in ("own", "vllm"):
+            raise ValueError(f"features.engine={self.engine!r}: use own or vllm")
+        if self.engine_device not in ("cpu", "cuda"):
+            raise ValueError(f"features.engine_device={self.engine_device!r}: use cpu or cuda")
+        if self.engine_workers < 1:
+            raise ValueError(f"features.engine_workers={self.engine_workers} must be >= 1")
 
 
-def store_fingerprint(layers: list[int], topk: int, dtype: str, max_length: int, target: str, generated: str) -> str:
-    """What decides a store's content: a store of another fingerprint is recomputed whole (`prepare_output`)."""
+def store_fingerprint(layers: list[int], topk: int, dtype: str, max_length: int, target: str, generated: str,
+                      engine: str | None = None) -> str:
+    """What decides a store's content: a store of another fingerprint is recomputed whole (`prepare_output`).
+    `engine` (its name and version, features.engine=vllm) enters only when set: the own pass's stores keep theirs."""
     return config_hash({"layers": list(layers), "topk": topk, "dtype": dtype, "max_length": max_length,
-                        "target": target, "generated": generated})
+                        "target": target, "generated": generated, **({"engine": engine} if engine else {})})
 
 
 @torch.inference_mode()

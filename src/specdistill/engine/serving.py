@@ -17,6 +17,8 @@ from specdistill import methods
 from specdistill.errors import ConfigError
 
 ABOVE_TAU = 1.1  # a speed-up above this times tau is flagged (noise allowance: tau is itself a sample mean)
+AR_LAST = "ar_last"  # the engine alone again after the K starts (serve.ar_bracket)
+MAX_DRIFT = 0.1  # the two baselines of a run further apart than this (relative) are flagged
 
 
 @dataclass
@@ -40,9 +42,11 @@ class ServeConfig:
     eagle_path: str
     draft_path: str
     medusa_path: str
+    dflash_path: str
     timeout_s: int
     seed: int
     deploy_min_speedup: float  # a load's K goes into the deployed schedule only at this speed-up or more (else 0)
+    ar_bracket: bool  # the engine alone also after the K starts: each baseline the mean of the two
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "deploy_min_speedup": "[0, inf)", "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "timeout_s": "[1, inf)", "temperatures": "[0, 2]",
         "concurrency": "[1, 256]", "k": "[1, 256]", "max_model_len": "[64, inf)", "ngram_max": "[1, inf)",
@@ -130,12 +134,15 @@ def summarise(cfg: ServeConfig, results: dict[str, dict[str, Any]]) -> dict[str,
     `results` maps "ar" and "k<K>" to the engine's result for that start."""
     table: dict[str, Any] = {}
     for setting, res in results.items():
+        if setting == AR_LAST:
+            continue
         for run in res["runs"]:
             ds, t, c = run["name"].split("|")
             row = speed(run)
             if setting != "ar":
                 row.update(acceptance(run["spec"]))
             table.setdefault(ds, {}).setdefault(f"T{float(t)}", {}).setdefault(f"c{c}", {})[setting] = row
+    drift = bracket_baseline(table, results[AR_LAST]) if AR_LAST in results else []
     above_tau = []
     for ds_name, ds in table.items():
         for t, temps in ds.items():
@@ -157,7 +164,24 @@ def summarise(cfg: ServeConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         # deploy_k: what to serve at this load; 0 (no speculation) where no K beats the engine alone
         chosen[f"c{c}"] = {"k": best, "speedup_geomean": round(score(best), 4),
                            "deploy_k": best if score(best) >= cfg.deploy_min_speedup else 0}
-    return {"results": table, "chosen_k": chosen, "above_tau": above_tau}
+    return {"results": table, "chosen_k": chosen, "above_tau": above_tau, "baseline_drift": drift}
+
+
+def bracket_baseline(table: dict[str, Any], last: dict[str, Any]) -> list[str]:
+    """The engine alone measured at both ends of the K starts (serve.ar_bracket): each run's baseline becomes the mean
+    of the two, so a machine that slowed or sped up during the stage moves the baseline with it; both are kept, and
+    the runs whose two measurements differ by more than MAX_DRIFT are returned (a busy machine: rerun quietly)."""
+    drifted = []
+    for run in last["runs"]:
+        ds, t, c = run["name"].split("|")
+        row = table[ds][f"T{float(t)}"][f"c{c}"]["ar"]
+        first, second = row["tokens_per_s"], speed(run)["tokens_per_s"]
+        mean = (first + second) / 2
+        row.update(tokens_per_s=round(mean, 2), tokens_per_s_first=first, tokens_per_s_last=second,
+                   drift=round(abs(first - second) / mean, 4) if mean else None)
+        if row["drift"] and row["drift"] > MAX_DRIFT:
+            drifted.append(f"{ds}|T{float(t)}|c{c}")
+    return drifted
 
 
 def deploy_schedule(cfg: ServeConfig, chosen: dict[str, dict[str, Any]], draft_dir: str | None) -> dict[str, Any] | None:

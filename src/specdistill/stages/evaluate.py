@@ -54,6 +54,9 @@ class EvalConfig:
     medusa_choices: list[list[int]] | None = None  # an explicit Medusa tree instead of a saved one
     eagle_path: str | None = None  # train@eagle writes models/eagle (eagle3), train@eagle1 models/eagle1
     eagle_tree: dict[str, Any] = field(default_factory=dict)  # decoding/eagle.py EagleTreeConfig
+    dflash_path: str | None = None  # train@dflash writes models/dflash
+    dflash_k: int | None = None  # tokens the block drafts (null: all block_size - 1)
+    dflash_branching: list[int] | None = None  # a tree: the top-b tokens of each slot, b per depth (null: a chain)
     # the method's draft (draft, medusa or eagle) and a prompt-lookup chain verified as one tree
     # (decoding/union.py): lookup copies the spans an answer repeats from its prompt or earlier turn, where a
     # small draft is weak (evaluate@eagle_lookup)
@@ -70,7 +73,8 @@ class EvalConfig:
         "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "temperatures": "[0, 2]", "top_p": "(0, 1]",
         "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "draft_layers": "[1, inf)", "medusa_budget": "[1, inf)",
         "lookup_k": "[1, 64]", "lookup_max_ngram": "[1, inf)", "lookup_min_ngram": "[1, inf)",
-        "lookup_branches": "[1, 64]", "capacity": "[64, inf)"}
+        "lookup_branches": "[1, 64]", "capacity": "[64, inf)", "dflash_k": "[1, 64]",
+        "dflash_branching": "[1, 64]"}
 
     def __post_init__(self) -> None:
         method = methods.get(self.method, "evaluate", "eval.method")

@@ -34,6 +34,7 @@ class ExportConfig:
     eagle_path: str
     draft_path: str
     medusa_path: str
+    dflash_path: str
     num_speculative_tokens: int
     RANGES: ClassVar[dict[str, str]] = {"num_speculative_tokens": "[1, 16]"}  # checked by `section`
 

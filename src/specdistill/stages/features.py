@@ -1,9 +1,13 @@
 """features: the frozen target's hidden states and top-k once per training sequence, for EAGLE training
-with `distill.teacher=precomputed` (data/features.py says what a shard holds). Resumable by shard."""
+with `distill.teacher=precomputed` (data/features.py says what a shard holds). Resumable by shard.
+
+`features.engine=own` runs the target here (HiddenTap, as the live path); `features.engine=vllm` has the serving
+engine compute the same rows (engine/features.py) into the same store, its name and version in the fingerprint."""
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +24,16 @@ from specdistill.data.features import (
     write_shard,
 )
 from specdistill.data.generation import prepare_output
+from specdistill.engine.client import engine_version
 from specdistill.io import write_json
 from specdistill.models.eagle import default_feature_layers
-from specdistill.models.target import TargetConfig, load_target
+from specdistill.models.target import (
+    TargetConfig,
+    context_length,
+    load_target,
+    load_target_config,
+    target_fingerprint,
+)
 from specdistill.stages.common import check_outputs, environment, section
 
 log = logging.getLogger(__name__)
@@ -47,24 +58,28 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if not found:
             raise DataError(f"no generated shards in {generated / split}: list generated splits in features.splits")
 
-    target = load_target(tcfg)
-    layers = fcfg.layers or default_layers(target.model.config.num_hidden_layers)
-    fingerprint = store_fingerprint(layers, fcfg.topk, fcfg.dtype, dcfg.max_length, target.fingerprint,
-                                    stamp.read_text().strip())
+    engine = engine_version() if fcfg.engine == "vllm" else None  # no engine environment: an error now
+    # the engine loads an HF target in its own process; a GGUF target is loaded here to be exported for it
+    target = load_target(tcfg) if fcfg.engine == "own" or tcfg.gguf_file else None
+    config = target.config if target else load_target_config(tcfg)
+    target_fp = target.fingerprint if target else target_fingerprint(tcfg)
+    layers = fcfg.layers or default_layers(config.num_hidden_layers)
+    fingerprint = store_fingerprint(layers, fcfg.topk, fcfg.dtype, dcfg.max_length, target_fp,
+                                    stamp.read_text().strip(), engine)
     prepare_output(out, fingerprint)  # keeps whole shards of the same fingerprint: a killed stage resumes
     todo = [(s, p) for s, found in shards.items() for p in found if not (out / s / f"{p.name}.safetensors").exists()]
-    log.info("%d shard(s), %d already whole, %d to compute", sum(map(len, shards.values())),
-             sum(map(len, shards.values())) - len(todo), len(todo))
-    pad_id = target.tokenizer.pad_token_id or 0
+    log.info("%d shard(s), %d already whole, %d to compute%s", sum(map(len, shards.values())),
+             sum(map(len, shards.values())) - len(todo), len(todo),
+             f" with {engine} ({fcfg.engine_workers} worker(s))" if engine else "")
     t0, tokens = time.perf_counter(), 0
-    for split, shard in todo:
-        ds = load_split(shard)
-        if ds is None:
+    engine_run = None
+    if engine:
+        engine_run, tokens = features_from_engine(fcfg, tcfg, target, config, layers, dcfg.max_length, todo, out)
+    for split, shard in todo if not engine else []:
+        rows_of = shard_rows(shard, dcfg.max_length)
+        if rows_of is None:
             continue
-        keep, pk, rk = kept_spans(ds, dcfg.max_length, str(shard))  # the rows and spans the data module batches
-        seqs, rids, full_p = ds["input_ids"], ds["id"], ds["prompt_len"]  # each column read once
-        if len(set(rids)) != len(ds):
-            raise DataError(f"{shard}: row ids repeat; the store finds rows by id")
+        rids, keep, pk, rk, seqs, full_p = rows_of
         order = sorted(range(len(keep)), key=lambda j: int(pk[j] + rk[j]))  # j: a kept row; keep[j] its index
         parts: dict[int, Any] = {}
         bar = tqdm(total=len(order), unit="seq", desc=f"features {split}/{shard.name}", dynamic_ncols=True)
@@ -72,8 +87,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             batch = order[b:b + fcfg.batch_size]
             spans = [(int(keep[j]), int(pk[j]), int(rk[j])) for j in batch]
             rows = [(seqs[i][full_p[i] - p:full_p[i] + r], p, r) for i, p, r in spans]
-            for j, part in zip(batch, compute_features(target.model, rows, layers, fcfg.topk, DTYPES[fcfg.dtype], pad_id),
-                               strict=True):
+            for j, part in zip(batch, compute_features(target.model, rows, layers, fcfg.topk, DTYPES[fcfg.dtype],
+                                                       target.tokenizer.pad_token_id or 0), strict=True):
                 parts[j] = part
             tokens += sum(len(s) for s, _, _ in rows)
             bar.update(len(batch))
@@ -83,9 +98,78 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                     [parts[j] for j in range(len(keep))])
     elapsed = time.perf_counter() - t0
     manifest = {"fingerprint": fingerprint, "layers": layers, "topk": fcfg.topk, "dtype": fcfg.dtype,
-                "max_length": dcfg.max_length, "target_fingerprint": target.fingerprint,
-                "generated_fingerprint": stamp.read_text().strip(), "hidden_size": target.model.config.hidden_size,
+                "max_length": dcfg.max_length, "target_fingerprint": target_fp,
+                "generated_fingerprint": stamp.read_text().strip(), "hidden_size": config.hidden_size,
+                **({"engine": engine} if engine else {}),
                 "splits": {s: [p.name for p in found] for s, found in shards.items()}, "environment": environment()}
     write_json(out / MANIFEST, manifest)
     log.info("features of %d tokens in %.1f s -> %s", tokens, elapsed, out)
-    return {**manifest, "this_run": {"shards": len(todo), "tokens": tokens, "seconds": round(elapsed, 2)}}
+    this_run = {"shards": len(todo), "tokens": tokens, "seconds": round(elapsed, 2)}
+    if engine_run is not None:
+        this_run["engine"] = {"name": engine, **engine_run}
+    return {**manifest, "this_run": this_run}
+
+
+def shard_rows(shard: Path, max_length: int) -> tuple[list[str], Any, Any, Any, Any, Any] | None:
+    """(row ids, kept row indices, kept prompt / response spans, input_ids, prompt_len) of a generated shard, or
+    None when it is empty: the rows and spans the data module batches."""
+    ds = load_split(shard)
+    if ds is None:
+        return None
+    keep, pk, rk = kept_spans(ds, max_length, str(shard))
+    seqs, rids, full_p = ds["input_ids"], ds["id"], ds["prompt_len"]  # each column read once
+    if len(set(rids)) != len(ds):
+        raise DataError(f"{shard}: row ids repeat; the store finds rows by id")
+    return rids, keep, pk, rk, seqs, full_p
+
+
+def features_from_engine(fcfg: FeaturesConfig, tcfg: TargetConfig, target: Any, config: Any, layers: list[int],
+                         max_length: int, todo: list[tuple[str, Path]], out: Path) -> tuple[dict[str, Any], int]:
+    """The shards in `todo` computed by the serving engine (features.engine=vllm), each written with `write_shard`
+    as the own pass writes it; (what the engine's workers report, tokens run)."""
+    from specdistill.engine.features import describe, features_with_engine, job_for
+
+    meta: dict[str, tuple[list[str], list[int], list[int]]] = {}
+    shards = []
+    for split, shard in todo:
+        rows_of = shard_rows(shard, max_length)
+        if rows_of is None:
+            continue
+        rids, keep, pk, rk, seqs, full_p = rows_of
+        key = f"{split}/{shard.name}"
+        rows = [[seqs[i][full_p[i] - p:full_p[i] + r], p, r] for i, p, r in zip(keep.tolist(), pk.tolist(), rk.tolist(),
+                                                                               strict=True)]
+        meta[key] = ([rids[i] for i in keep], pk.tolist(), rk.tolist())
+        shards.append({"key": key, "rows": rows})
+    if not shards:
+        return {"workers": 0}, 0
+    tokens = 0
+    bar = tqdm(total=len(shards), unit="shard", desc="features (engine)", dynamic_ncols=True)
+    t0 = time.perf_counter()
+
+    def on_shard(key: str, part: tuple[Any, Any, Any], seconds: float) -> None:
+        nonlocal tokens
+        ids, pk, rk = meta[key]
+        feats, topk_ids, topk_lp = part
+        write_shard(out / f"{key}.safetensors", ids, pk, rk, [(feats.to(DTYPES[fcfg.dtype]), topk_ids, topk_lp)])
+        tokens += sum(pk) + sum(rk)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+    topk = min(fcfg.topk, int(config.vocab_size))  # as the own pass's topk over the vocabulary
+    longest = max(len(r[0]) for s in shards for r in s["rows"])
+    with tempfile.TemporaryDirectory(prefix="specdistill-target-") as tmp:
+        if target is not None:  # a GGUF target: the engine reads the HF folder written from its dequantised weights
+            from specdistill.export.target import export_target
+
+            model_dir = export_target(target.model, target.tokenizer, Path(tmp) / "target", target.fingerprint,
+                                      target.dtype)
+            revision = None
+        else:
+            model_dir, revision = Path(tcfg.name_or_path), tcfg.revision
+        job = job_for(model_dir, revision=revision, dtype=tcfg.dtype, longest=longest, context=context_length(config),
+                      batch_size=fcfg.batch_size)
+        results = features_with_engine(job, shards, layers=layers, topk=topk, workers=fcfg.engine_workers,
+                                       device=fcfg.engine_device, timeout_s=fcfg.engine_timeout_s, on_shard=on_shard)
+    bar.close()
+    return describe(results), tokens

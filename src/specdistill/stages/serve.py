@@ -21,6 +21,8 @@ from specdistill import methods
 from specdistill.data.generation import stop_ids
 from specdistill.engine.client import engine_python, run_engine
 from specdistill.engine.serving import (
+    AR_LAST,
+    MAX_DRIFT,
     ServeConfig,
     acceptance,
     deploy_schedule,
@@ -73,7 +75,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     dtype = scfg.dtype or tcfg.dtype
     engine_kw = dict(threads=scfg.threads, iomp=scfg.iomp, timeout_s=scfg.timeout_s)
     results: dict[str, dict[str, Any]] = {}
-    for setting, spec in [("ar", None)] + [(f"k{k}", speculative_config(scfg, k, str(draft_dir))) for k in scfg.k]:
+    settings = [("ar", None)] + [(f"k{k}", speculative_config(scfg, k, str(draft_dir))) for k in scfg.k]
+    for setting, spec in settings + ([(AR_LAST, None)] if scfg.ar_bracket else []):
         log.info("engine: %s (%s)", setting, spec or "no speculation")
         results[setting] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, spec, max_model_len),
                                        **engine_kw)
@@ -85,6 +88,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         results["scheduled"] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, deploy, max_model_len),
                                           **engine_kw)
         summary = summarise(scfg, results)
+    if summary["baseline_drift"]:
+        log.warning("serve@%s: the engine alone ran more than %.0f%% apart before and after the K starts in %d run(s) "
+                    "(%s): the machine's speed changed during the stage; rerun it on a quiet machine", scfg.method,
+                    100 * MAX_DRIFT, len(summary["baseline_drift"]), ", ".join(summary["baseline_drift"][:4]))
     if summary["above_tau"]:
         log.warning("serve@%s: %d run(s) measured a speed-up above their tau (%s): the engine alone ran slow in its "
                     "start (another process on the machine?); rerun the stage on a quiet machine", scfg.method,

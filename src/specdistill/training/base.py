@@ -234,3 +234,26 @@ class DistillModule(pl.LightningModule):
             return optimizer
         scheduler = self.scheduler_factory(optimizer, num_training_steps=int(self.trainer.estimated_stepping_batches))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@torch.no_grad()
+def features_and_teacher(module: DistillModule, batch: dict[str, torch.Tensor], layers: list[int],
+                         stored: list[int] | None, hidden_size: int) -> tuple[torch.Tensor, Teacher]:
+    """(the target's fused features [B, T, F] at `layers`, the target at the scored positions) for a head on the
+    frozen target's states (EAGLE, DFlash): from the features stage's store when the batch carries it (`stored`:
+    where `layers` sit among the stored ones; no target pass), else from the frozen target, live."""
+    from specdistill.models.hidden import HiddenTap
+
+    mask = batch["loss_mask"]
+    if "features" in batch and stored is not None:
+        b, t, _ = batch["features"].shape
+        features = batch["features"].view(b, t, -1, hidden_size)[:, :, stored].flatten(2)
+        return features, Teacher(topk_ids=batch["topk_ids"][mask], topk_logprobs=batch["topk_logprobs"][mask])
+
+    def live() -> tuple[torch.Tensor, Teacher]:
+        target = module.target
+        with HiddenTap(target, list(layers)) as tap:
+            hidden = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        return tap.concat(), Teacher(logits=target.get_output_embeddings()(hidden[mask]).float())
+
+    return module.target_pass_once(live)

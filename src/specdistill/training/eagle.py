@@ -30,8 +30,7 @@ from torchmetrics import MeanMetric
 from transformers import DynamicCache
 
 from specdistill.models.eagle import EagleHead, default_feature_layers, unit_rms
-from specdistill.models.hidden import HiddenTap
-from specdistill.training.base import DistillModule, MethodConfigBase
+from specdistill.training.base import DistillModule, MethodConfigBase, features_and_teacher
 from specdistill.training.losses import Teacher, dpace_weights
 from specdistill.training.metrics import UnrolledAcceptance, token_acceptance
 
@@ -143,20 +142,7 @@ class EagleModule(DistillModule):
 
     @torch.no_grad()
     def _target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Teacher]:
-        """(the head's input features [B, T, F], the target at the scored positions): from the features
-        stage's store when the batch carries it (no target pass), else from the frozen target, live."""
-        mask = batch["loss_mask"]
-        if "features" in batch and self.stored is not None:
-            b, t, _ = batch["features"].shape
-            features = batch["features"].view(b, t, -1, self.head.cfg.hidden_size)[:, :, self.stored].flatten(2)
-            return features, Teacher(topk_ids=batch["topk_ids"][mask], topk_logprobs=batch["topk_logprobs"][mask])
-        return self.target_pass_once(lambda: self._live_target_pass(batch))
-
-    def _live_target_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Teacher]:
-        with HiddenTap(self.target, list(self.head.cfg.feature_layers)) as tap:
-            hidden = self.target.get_decoder()(input_ids=batch["input_ids"],
-                                               attention_mask=batch["attention_mask"]).last_hidden_state
-        return tap.concat(), Teacher(logits=self.target.get_output_embeddings()(hidden[batch["loss_mask"]]).float())
+        return features_and_teacher(self, batch, self.head.cfg.feature_layers, self.stored, self.head.cfg.hidden_size)
 
     def _steps(self, batch: dict[str, torch.Tensor], steps: int, noise: float) -> Iterator[UnrolledStep]:
         mask = batch["loss_mask"]

@@ -1,0 +1,180 @@
+"""DFlash, the block drafter: training's blocks equal drafting's, lossless chains and trees, the train and evaluate
+stages on the tiny target."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdistill.decoding.dflash import DFlashProposer
+from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.verifier import TargetVerifier
+from specdistill.models.dflash import (
+    MASK,
+    DFlashConfig,
+    DFlashDrafter,
+    build_dflash,
+    load_dflash,
+    save_dflash,
+)
+from specdistill.stages import train as train_stage
+from specdistill.training.dflash import all_anchors, anchor_candidates, block_inputs, sample_anchors
+
+from .conftest import make_model, save_mtbench
+from .stats import chi2_p
+from .test_decoding import PROMPTS, V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
+from .test_eagle import target_features
+from .test_medusa import FeatureBigramVerifier
+from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
+
+LAYERS = [0, 1, 2]  # the tiny target has 2 layers
+
+
+@pytest.fixture(scope="module")
+def target(tiny_tokenizer):
+    return make_model(len(tiny_tokenizer), seed=0)
+
+
+def random_drafter(target, d2t=None, block=5, seed=0, scale=0.2) -> DFlashDrafter:
+    drafter = build_dflash(target, LAYERS, num_layers=2, block_size=block, mask_token_id=1, d2t=d2t, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return drafter.eval()
+
+
+def bigram_drafter(block: int = 4) -> DFlashDrafter:
+    """A random drafter over the bigram vocabulary (test_decoding), for FeatureBigramVerifier's one-hot states."""
+    cfg = DFlashConfig(hidden_size=V, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                       num_layers=1, block_size=block, vocab_size=V, feature_layers=[1], max_position_embeddings=64)
+    g = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(V, V)
+    drafter = DFlashDrafter(cfg, embed)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(V, V, generator=g))
+        for p in drafter.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return drafter.eval()
+
+
+def test_anchors_are_response_tokens_followed_by_a_scored_one():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    valid = anchor_candidates(loss_mask)
+    # x_p is a response token (p - 1 scored) and x_{p+1} is scored (p scored)
+    assert valid.tolist() == [[False, False, False, True, True, False, False], [False, False, True, False, False, False, False]]
+    pos, real = all_anchors(valid)
+    assert pos[0].tolist() == [3, 4] and real.tolist() == [[True, True], [True, False]] and pos[1, 0] == 2
+    pos, real = sample_anchors(valid, 5, torch.Generator().manual_seed(0))
+    assert real.sum(1).tolist() == [2, 1] and all(valid[b, pos[b, i]] for b in range(2) for i in range(5) if real[b, i])
+
+
+def test_block_mask_sees_the_context_before_its_anchor_and_its_own_block():
+    ids = torch.arange(10, 16)[None]
+    anchors, real = torch.tensor([[2, 4]]), torch.tensor([[True, True]])
+    slots, pos, mask = block_inputs(ids, torch.ones_like(ids), anchors, real, size=3)
+    assert slots.tolist() == [[12, MASK, MASK, 14, MASK, MASK]] and pos.tolist() == [[2, 3, 4, 4, 5, 6]]
+    m = mask[0, 0]
+    assert m.shape == (6, 6 + 6)
+    assert m[0, :6].tolist() == [True, True, False, False, False, False]  # context before anchor 2
+    assert m[3, :6].tolist() == [True] * 4 + [False] * 2  # context before anchor 4
+    assert m[0, 6:].tolist() == [True] * 3 + [False] * 3 and m[5, 6:].tolist() == [False] * 3 + [True] * 3
+
+
+@pytest.mark.parametrize("d2t", [None, torch.arange(0, 300, 2)])
+def test_training_blocks_equal_drafting_blocks(target, d2t):
+    """Every block of a batched training forward (several anchors per row, one mask) gives the logits the proposer's
+    single block gives after catching up on the same committed features."""
+    drafter = random_drafter(target, d2t)
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(3))
+    feats = target_features(target, ids, LAYERS)
+    anchors, real = torch.tensor([[3, 6, 9]]), torch.ones(1, 3, dtype=torch.bool)
+    slots, pos, mask = block_inputs(ids, torch.ones_like(ids), anchors, real, drafter.cfg.block_size)
+    with torch.no_grad():
+        states = drafter(slots, pos, drafter.context(feats, torch.arange(12)[None]), mask)
+        batched = drafter.logits(states.view(1, 3, drafter.cfg.block_size, -1))
+    for n, p in enumerate(anchors[0].tolist()):
+        proposer = DFlashProposer(drafter)
+        proposer._catch_up(feats[0, :2])  # committed in two rounds, as the decoder commits
+        proposer._catch_up(feats[0, 2:p])
+        single = proposer.block_logits(int(ids[0, p]), drafter.cfg.block_size - 1)
+        torch.testing.assert_close(single, batched[0, n, 1:].float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("branching", [None, [2, 2, 1]])
+def test_greedy_equals_the_targets_greedy(target, branching):
+    drafter = random_drafter(target, torch.arange(0, 300, 3))
+    for prompt in PROMPTS:
+        proposer = DFlashProposer(drafter, branching=branching)
+        res = speculative_generate(TargetVerifier(target, 128, feature_layers=proposer.feature_layers), proposer, prompt,
+                                   20, set())
+        assert res.tokens == plain_greedy(target, prompt, 20), prompt
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("branching", [None, [2, 2]])
+def test_sampling_is_lossless(branching):
+    """Temperature 1: a sampled chain (each slot's q from the context alone) and a tree of top tokens both follow the
+    bigram target's exact law at every position."""
+    table, _ = tables()
+    proposer = DFlashProposer(bigram_drafter(), branching=branching)
+    ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
+    draws = np.array([speculative_generate(ver, proposer, [0], 4, set(), sampling, gen).tokens for _ in range(20_000)])
+    exact = exact_marginals(table, table[0], sampling, 4)
+    for pos in (1, 2, 3):
+        assert chi2_p(draws[:, pos], exact[pos]) > 1e-3, pos
+
+
+def test_save_load_and_refusals(tmp_path, target):
+    drafter = random_drafter(target, torch.arange(0, 300, 2))
+    drafter.cfg.target_fingerprint = "abc"
+    save_dflash(drafter, tmp_path / "d")
+    back = load_dflash(tmp_path / "d", target, target_fingerprint="abc")
+    torch.testing.assert_close(back.mask_embedding, drafter.mask_embedding)
+    assert torch.equal(back.d2t, drafter.d2t) and back.cfg.block_size == 5
+    with pytest.raises(ValueError, match="retrain"):
+        load_dflash(tmp_path / "d", target, target_fingerprint="other")
+    with pytest.raises(ValueError, match="drafts 1..4 tokens"):
+        DFlashProposer(back, k=5)
+
+
+@pytest.mark.parametrize(("loss", "weights"), [("fkl", "decay"), ("tvd", "dpace")])
+def test_fast_dev_run_dflash(tmp_path, tiny_target_dir, generated, loss, weights):  # noqa: F811
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "method=dflash", f"loss={loss}",
+                              "+trainer.fast_dev_run=2", "methods.dflash.vocab_size=128", "methods.dflash.block_size=4",
+                              "methods.dflash.feature_layers=[0,1,2]", "methods.dflash.anchors=4",
+                              f"methods.dflash.step_weights={weights}"))
+    final = train_stage.run(cfg)["final"]
+    assert 0 < final["val/alpha"] <= 1 and 1 <= final["val/tau_sim"] <= 4 and "val/alpha_pos3_t0" in final
+    assert "val/vocab_coverage" in final
+    from transformers import AutoModelForCausalLM
+
+    drafter = load_dflash(tmp_path / "models/dflash", AutoModelForCausalLM.from_pretrained(tiny_target_dir))
+    assert drafter.cfg.block_size == 4 and drafter.cfg.draft_vocab_size == 128
+    assert json.loads((tmp_path / "metrics/train_dflash.json").read_text())["settings"]["method"]["block_size"] == 4
+
+
+def test_evaluate_stage_runs_dflash(tmp_path, tiny_target_dir, monkeypatch):
+    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.stages import evaluate as evaluate_stage
+
+    from .test_eagle import greedy_texts
+
+    save_mtbench(tmp_path / "prompts")
+    loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
+    drafter = random_drafter(loaded.model, torch.arange(100))
+    drafter.cfg.target_fingerprint = loaded.fingerprint
+    save_dflash(drafter, tmp_path / "models/dflash")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
+           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+           "eval": {"method": "dflash", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
+                    "temperatures": [0.0, 1.0], "dflash_path": str(tmp_path / "models/dflash"), "hf_baselines": False}}
+    metrics = evaluate_stage.run(cfg)
+    assert {"ar", "spec"} <= set(metrics["results"]["mtbench"]["T0"])
+    assert metrics["settings"]["block_size"] == 5 and metrics["settings"]["dflash_k"] == 4
+    t0 = greedy_texts(tmp_path / "plots/dflash/samples.jsonl")
+    assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
