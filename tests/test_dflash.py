@@ -178,3 +178,35 @@ def test_evaluate_stage_runs_dflash(tmp_path, tiny_target_dir, monkeypatch):
     assert metrics["settings"]["block_size"] == 5 and metrics["settings"]["dflash_k"] == 4
     t0 = greedy_texts(tmp_path / "plots/dflash/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
+
+
+def test_dflash_exports_in_the_speculators_layout(tmp_path, target, tiny_tokenizer):
+    """vLLM's names, the aux ids ascending with fc's blocks permuted to match, d2t as offsets over the sorted draft
+    vocabulary, the mask embedding beside them, the non-causal block stated; refused for another target."""
+    from specdistill.export.dflash import MASK_FILE, export_dflash
+    from specdistill.export.target import ExportError, export_target
+
+    drafter = build_dflash(target, [2, 0, 1], num_layers=2, block_size=5, mask_token_id=1, d2t=torch.tensor([9, 4, 7]))
+    drafter.cfg.target_fingerprint = "fp"
+    target_dir = export_target(target, tiny_tokenizer, tmp_path / "target", fingerprint="fp")
+    out = export_dflash(drafter, tmp_path / "dflash", target_dir)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert config["block_size"] == 5 and config["draft_vocab_size"] == 3 and config["mask_token_id"] == 1
+    assert config["sliding_window_non_causal"] is True and config["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    from safetensors.torch import load_file
+
+    state = load_file(str(out / "model.safetensors"))
+    h = drafter.cfg.hidden_size
+    fc = drafter.fc.weight.detach()
+    # ours reads layers [2, 0, 1]; the engine concatenates [0, 1, 2]
+    torch.testing.assert_close(state["fc.weight"], torch.cat([fc[:, h:2 * h], fc[:, 2 * h:], fc[:, :h]], dim=1))
+    assert state["d2t"].tolist() == [4 - 0, 7 - 1, 9 - 2]  # sorted target ids [4, 7, 9], as offsets
+    torch.testing.assert_close(state["lm_head.weight"], drafter.lm_head.weight.detach()[[1, 2, 0]])
+    assert "layers.1.self_attn.k_norm.weight" in state and not any("embed" in k or "rotary" in k for k in state)
+    mask = torch.load(out / MASK_FILE)
+    assert mask["mask_token_id"] == 1 and torch.equal(mask["embedding"], drafter.mask_embedding.detach())
+    drafter.cfg.target_fingerprint = "another"
+    with pytest.raises(ExportError, match="serve it with its own target"):
+        export_dflash(drafter, tmp_path / "other", target_dir)

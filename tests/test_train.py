@@ -51,7 +51,8 @@ def overrides(tmp_path, tiny_target_dir, generated, *extra):
             "target=hf", f"target.name_or_path={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
             "logger=none", "draft=xs", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
             "distill.data.batch_size=2", "distill.scheduler.num_warmup_steps=2", "methods.draft.vocab_size=128",
-            "methods.eagle.teacher=live", "methods.eagle1.teacher=live", *extra]  # no features store: the live target
+            "methods.eagle.teacher=live", "methods.eagle1.teacher=live", "methods.dflash.teacher=live",
+            *extra]  # no features store: the live target
 
 
 def composed(*ovr):

@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdistill.engine.client import EngineError, EngineProcess
-from specdistill.engine.generation import deal, worker_envs
+from specdistill.engine.generation import deal, run_workers, worker_envs
 
 log = logging.getLogger(__name__)
 
-POLL_S = 1.0
 Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -40,29 +37,15 @@ def features_with_engine(job: dict[str, Any], shards: list[dict[str, Any]], *, l
     raises its error with its log."""
     with tempfile.TemporaryDirectory(prefix="specdistill-features-") as tmp:
         out = Path(tmp)
-        procs: list[EngineProcess] = []
-        try:
-            for part, (cores, env) in zip(deal(shards, workers), worker_envs(workers, device, 1), strict=False):
-                feats = {"layers": list(layers), "topk": topk, "out_dir": str(out), "shards": part}
-                procs.append(EngineProcess({**job, "features": feats}, threads=cores, relay=False, env=env))
-                log.info("engine worker %d started (%d shard(s); log %s)", len(procs) - 1, len(part), procs[-1].log_file)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                for key, part_, seconds in completed(out):
-                    on_shard(key, part_, seconds)
-                if all(p.proc.poll() is not None for p in procs):
-                    for key, part_, seconds in completed(out):  # what was written as the last worker exited
-                        on_shard(key, part_, seconds)
-                    return [p.finish() for p in procs]  # raises the first failure, with its log
-                if failed := [p for p in procs if p.proc.poll() not in (None, 0)]:
-                    raise failed[0].failure()
-                if time.monotonic() > deadline:
-                    raise EngineError(f"the engine's features did not finish within {timeout_s:.0f} s (logs: "
-                                      f"{', '.join(str(p.log_file) for p in procs)})")
-                time.sleep(POLL_S)
-        finally:
-            for p in procs:
-                p.kill()
+        jobs = [({**job, "features": {"layers": list(layers), "topk": topk, "out_dir": str(out), "shards": part}},
+                 cores, env)
+                for part, (cores, env) in zip(deal(shards, workers), worker_envs(workers, device, 1), strict=False)]
+
+        def drain() -> None:
+            for key, part_, seconds in completed(out):
+                on_shard(key, part_, seconds)
+
+        return run_workers(jobs, timeout_s, drain, "features")
 
 
 def completed(out: Path) -> Iterator[tuple[str, Part, float]]:

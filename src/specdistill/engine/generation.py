@@ -53,29 +53,41 @@ def generate_with_engine(job: dict[str, Any], shards: list[dict[str, Any]], *, w
     (cold start, versions). Any worker failing stops the others and raises its error with its log."""
     with tempfile.TemporaryDirectory(prefix="specdistill-generate-") as tmp:
         out = Path(tmp)
-        procs = []
-        try:
-            for part, (cores, env) in zip(deal(shards, workers), worker_envs(workers, device, tp), strict=False):
-                procs.append(EngineProcess({**job, "shards": part, "out_dir": str(out)}, threads=cores,
-                                           relay=False, env=env))
-                log.info("engine worker %d started (%d shard(s); log %s)", len(procs) - 1, len(part), procs[-1].log_file)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                for key, rows, seconds in completed(out):
-                    on_shard(key, rows, seconds)
-                if all(p.proc.poll() is not None for p in procs):
-                    for key, rows, seconds in completed(out):  # what was written as the last worker exited
-                        on_shard(key, rows, seconds)
-                    return [p.finish() for p in procs]  # raises the first failure, with its log
-                if failed := [p for p in procs if p.proc.poll() not in (None, 0)]:
-                    raise failed[0].failure()
-                if time.monotonic() > deadline:
-                    raise EngineError(f"generation did not finish within {timeout_s:.0f} s (logs: "
-                                      f"{', '.join(str(p.log_file) for p in procs)})")
-                time.sleep(POLL_S)
-        finally:
-            for p in procs:
-                p.kill()
+        jobs = [({**job, "shards": part, "out_dir": str(out)}, cores, env)
+                for part, (cores, env) in zip(deal(shards, workers), worker_envs(workers, device, tp), strict=False)]
+
+        def drain() -> None:
+            for key, rows, seconds in completed(out):
+                on_shard(key, rows, seconds)
+
+        return run_workers(jobs, timeout_s, drain, "generation")
+
+
+def run_workers(jobs: list[tuple[dict[str, Any], str | None, dict[str, str]]], timeout_s: float,
+                drain: Callable[[], None], what: str) -> list[dict[str, Any]]:
+    """Start one engine worker per (job, cores, environment) side by side, call `drain` (which hands on what they
+    finished) until every worker exits, and return their results; a failing worker stops the others and raises its
+    error with its log; none outlives this call."""
+    procs: list[EngineProcess] = []
+    try:
+        for job, cores, env in jobs:
+            procs.append(EngineProcess(job, threads=cores, relay=False, env=env))
+            log.info("engine worker %d started (log %s)", len(procs) - 1, procs[-1].log_file)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            drain()
+            if all(p.proc.poll() is not None for p in procs):
+                drain()  # what was written as the last worker exited
+                return [p.finish() for p in procs]  # raises the first failure, with its log
+            if failed := [p for p in procs if p.proc.poll() not in (None, 0)]:
+                raise failed[0].failure()
+            if time.monotonic() > deadline:
+                raise EngineError(f"the engine's {what} did not finish within {timeout_s:.0f} s (logs: "
+                                  f"{', '.join(str(p.log_file) for p in procs)})")
+            time.sleep(POLL_S)
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def completed(out: Path) -> Iterator[tuple[str, list[dict[str, Any]], float]]:

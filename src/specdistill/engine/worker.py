@@ -142,49 +142,71 @@ def top_logprobs(position: dict[int, Any], k: int) -> tuple[list[int], list[floa
     return [int(t) for t, _ in ranked], [float(lp.logprob) for _, lp in ranked]
 
 
-def generate_shards(llm: Any, job: dict[str, Any]) -> None:
-    """The on-policy answers of every shard in `job["shards"]`, each written to `<out_dir>/<key>.json` (renamed whole)
-    as soon as its last request finishes: the main process turns each into a dataset shard, so a killed run keeps
-    its whole shards. Requests are fed so that the engine's batch stays full across shard boundaries; each request
-    samples with its own seed (the shard's seed + its row), so the tokens do not depend on which worker ran it."""
-    from vllm import SamplingParams
-
-    engine, s = llm.llm_engine, job["sampling"]
-    k, out_dir, feed = int(s.get("logprobs") or 0), Path(job["out_dir"]), 2 * int(job["max_num_seqs"])
-    requests = [(si, i) for si, shard in enumerate(job["shards"]) for i in range(len(shard["prompts"]))]
-    left = [len(shard["prompts"]) for shard in job["shards"]]
-    rows: list[list[Any]] = [[None] * n for n in left]
+def run_shards(llm: Any, sizes: list[int], max_num_seqs: int, submit: Any, collect: Any, write: Any) -> None:
+    """Every request (shard si, row i) through the engine, fed so that its batch stays full across shard boundaries:
+    `submit(request_id, si, i)` adds one, `collect(si, i, output)` turns a finished one into its row, and
+    `write(si, rows, seconds)` gets a shard's rows (in order) the moment the shard is whole."""
+    engine, feed = llm.llm_engine, 2 * max_num_seqs
+    requests = [(si, i) for si, n in enumerate(sizes) for i in range(n)]
+    left = list(sizes)
+    rows: list[list[Any]] = [[None] * n for n in sizes]
     t_last, in_flight, nxt = time.perf_counter(), 0, 0
     while nxt < len(requests) or engine.has_unfinished_requests():
         check_parent()
         while nxt < len(requests) and in_flight < feed:
             si, i = requests[nxt]
-            shard = job["shards"][si]
-            params = SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
-                                    max_tokens=int(s["max_tokens"]), stop_token_ids=s["stop_token_ids"],
-                                    seed=int(shard["seed"]) + i, logprobs=k or None, detokenize=False)
-            engine.add_request(f"{si}-{i}", {"prompt_token_ids": list(shard["prompts"][i])}, params)
+            submit(f"{si}-{i}", si, i)
             nxt, in_flight = nxt + 1, in_flight + 1
         for out in engine.step():
             if not out.finished:
                 continue
             in_flight -= 1
             si, i = (int(x) for x in out.request_id.split("-"))
-            o = out.outputs[0]
-            row: dict[str, Any] = {"response": list(o.token_ids)}
-            if k:
-                pairs = [top_logprobs(p, k) for p in o.logprobs or []]
-                row["topk_ids"], row["topk_logprobs"] = [a for a, _ in pairs], [b for _, b in pairs]
-            rows[si][i], left[si] = row, left[si] - 1
+            rows[si][i], left[si] = collect(si, i, out), left[si] - 1
             if left[si] == 0:
-                shard, now = job["shards"][si], time.perf_counter()
-                result = {"key": shard["key"], "rows": rows[si], "seconds": round(now - t_last, 3)}
-                name = shard["key"].replace("/", "__")
-                tmp = out_dir / f".{name}.tmp"
-                tmp.write_text(json.dumps(result))
-                tmp.replace(out_dir / f"{name}.json")
+                now = time.perf_counter()
+                write(si, rows[si], now - t_last)
                 rows[si], t_last = [], now
-                print(f"[engine] {shard['key']} done", file=sys.stderr, flush=True)
+
+
+def publish(out_dir: Path, key: str, suffix: str, write: Any) -> None:
+    """A shard's result file under its final name only once whole (`write(path)` writes it to a temporary name)."""
+    name = key.replace("/", "__")
+    tmp = out_dir / f".{name}.tmp"
+    write(tmp)
+    tmp.replace(out_dir / f"{name}{suffix}")
+    print(f"[engine] {key} done", file=sys.stderr, flush=True)
+
+
+def generate_shards(llm: Any, job: dict[str, Any]) -> None:
+    """The on-policy answers of every shard in `job["shards"]`, each written to `<out_dir>/<key>.json` (renamed whole)
+    as soon as its last request finishes: the main process turns each into a dataset shard, so a killed run keeps
+    its whole shards. Each request samples with its own seed (the shard's seed + its row), so the tokens do not
+    depend on which worker ran it."""
+    from vllm import SamplingParams
+
+    s, shards = job["sampling"], job["shards"]
+    k, out_dir = int(s.get("logprobs") or 0), Path(job["out_dir"])
+
+    def submit(rid: str, si: int, i: int) -> None:
+        params = SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
+                                max_tokens=int(s["max_tokens"]), stop_token_ids=s["stop_token_ids"],
+                                seed=int(shards[si]["seed"]) + i, logprobs=k or None, detokenize=False)
+        llm.llm_engine.add_request(rid, {"prompt_token_ids": list(shards[si]["prompts"][i])}, params)
+
+    def collect(si: int, i: int, out: Any) -> dict[str, Any]:
+        o = out.outputs[0]
+        row: dict[str, Any] = {"response": list(o.token_ids)}
+        if k:
+            pairs = [top_logprobs(p, k) for p in o.logprobs or []]
+            row["topk_ids"], row["topk_logprobs"] = [a for a, _ in pairs], [b for _, b in pairs]
+        return row
+
+    def write(si: int, rows: list[Any], seconds: float) -> None:
+        result = {"key": shards[si]["key"], "rows": rows, "seconds": round(seconds, 3)}
+        publish(out_dir, shards[si]["key"], ".json", lambda tmp: tmp.write_text(json.dumps(result)))
+
+    run_shards(llm, [len(sh["prompts"]) for sh in shards], int(job["max_num_seqs"]), submit, collect, write)
 
 
 HIDDEN_STATES_CONNECTOR = ("CPUHiddenStatesConnector", "specdistill_vllm_fixes.hidden_states")
@@ -229,57 +251,43 @@ def feature_shards(llm: Any, job: dict[str, Any]) -> None:
     )
 
     f = job["features"]
-    engine, k, out_dir, feed = llm.llm_engine, int(f["topk"]), Path(f["out_dir"]), 2 * int(job["max_num_seqs"])
+    k, out_dir, shards = int(f["topk"]), Path(f["out_dir"]), f["shards"]
     slots = sorted(set(f["layers"]))
     pick = torch.tensor([slots.index(x) for x in f["layers"]])  # vLLM's ascending slots -> the order asked
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k, detokenize=False)
-    shards = f["shards"]
-    requests = [(si, i) for si, shard in enumerate(shards) for i in range(len(shard["rows"]))]
-    left = [len(shard["rows"]) for shard in shards]
-    parts: list[list[Any]] = [[None] * n for n in left]
-    t_last, in_flight, nxt = time.perf_counter(), 0, 0
-    while nxt < len(requests) or engine.has_unfinished_requests():
-        check_parent()
-        while nxt < len(requests) and in_flight < feed:
-            si, i = requests[nxt]
-            engine.add_request(f"{si}-{i}", {"prompt_token_ids": list(shards[si]["rows"][i][0])}, params)
-            nxt, in_flight = nxt + 1, in_flight + 1
-        for out in engine.step():
-            if not out.finished:
-                continue
-            in_flight -= 1
-            si, i = (int(x) for x in out.request_id.split("-"))
-            ids, p, r = shards[si]["rows"][i]
-            path = (out.kv_transfer_params or {}).get("hidden_states_path")
-            if path is None:
-                raise RuntimeError(f"request {out.request_id}: the engine returned no hidden states "
-                                   f"(kv_transfer_params={out.kv_transfer_params})")
-            data = load_hidden_states(path)
-            cleanup_hidden_states(path)
-            hidden, tokens = data["hidden_states"], data["token_ids"]
-            if tokens.tolist() != list(ids) or hidden.shape[:2] != (len(ids), len(slots)):
-                raise RuntimeError(f"request {out.request_id}: hidden states {tuple(hidden.shape)} of "
-                                   f"{len(tokens)} tokens for a row of {len(ids)} tokens and {len(slots)} layers")
-            feats = hidden[:, pick].reshape(len(ids), -1)
-            # prompt_logprobs[t]: the distribution of token t (t = 0 has none); response token j is token p + j
-            plp = out.prompt_logprobs or []
-            pairs = [top_logprobs(plp[p + j], k) for j in range(r)]
-            if any(len(a) != k for a, _ in pairs):
-                raise RuntimeError(f"request {out.request_id}: fewer than {k} prompt log-probs at a response position")
-            parts[si][i] = (feats, torch.tensor([a for a, _ in pairs], dtype=torch.int32).reshape(r, k),
-                            torch.tensor([b for _, b in pairs], dtype=torch.float32).reshape(r, k))
-            left[si] -= 1
-            if left[si] == 0:
-                shard, now = shards[si], time.perf_counter()
-                tensors = {"features": torch.cat([x for x, _, _ in parts[si]]).contiguous(),
-                           "topk_ids": torch.cat([x for _, x, _ in parts[si]]).contiguous(),
-                           "topk_logprobs": torch.cat([x for _, _, x in parts[si]]).contiguous()}
-                name = shard["key"].replace("/", "__")
-                tmp = out_dir / f".{name}.tmp"
-                save_file(tensors, str(tmp), metadata={"key": shard["key"], "seconds": f"{now - t_last:.3f}"})
-                tmp.replace(out_dir / f"{name}.safetensors")
-                parts[si], t_last = [], now
-                print(f"[engine] {shard['key']} done", file=sys.stderr, flush=True)
+
+    def submit(rid: str, si: int, i: int) -> None:
+        llm.llm_engine.add_request(rid, {"prompt_token_ids": list(shards[si]["rows"][i][0])}, params)
+
+    def collect(si: int, i: int, out: Any) -> tuple[Any, Any, Any]:
+        ids, p, r = shards[si]["rows"][i]
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if path is None:
+            raise RuntimeError(f"request {out.request_id}: the engine returned no hidden states "
+                               f"(kv_transfer_params={out.kv_transfer_params})")
+        data = load_hidden_states(path)
+        cleanup_hidden_states(path)
+        hidden, tokens = data["hidden_states"], data["token_ids"]
+        if tokens.tolist() != list(ids) or hidden.shape[:2] != (len(ids), len(slots)):
+            raise RuntimeError(f"request {out.request_id}: hidden states {tuple(hidden.shape)} of "
+                               f"{len(tokens)} tokens for a row of {len(ids)} tokens and {len(slots)} layers")
+        feats = hidden[:, pick].reshape(len(ids), -1)
+        # prompt_logprobs[t]: the distribution of token t (t = 0 has none); response token j is token p + j
+        plp = out.prompt_logprobs or []
+        pairs = [top_logprobs(plp[p + j], k) for j in range(r)]
+        if any(len(a) != k for a, _ in pairs):
+            raise RuntimeError(f"request {out.request_id}: fewer than {k} prompt log-probs at a response position")
+        return (feats, torch.tensor([a for a, _ in pairs], dtype=torch.int32).reshape(r, k),
+                torch.tensor([b for _, b in pairs], dtype=torch.float32).reshape(r, k))
+
+    def write(si: int, parts: list[Any], seconds: float) -> None:
+        tensors = {"features": torch.cat([x for x, _, _ in parts]).contiguous(),
+                   "topk_ids": torch.cat([x for _, x, _ in parts]).contiguous(),
+                   "topk_logprobs": torch.cat([x for _, _, x in parts]).contiguous()}
+        meta = {"key": shards[si]["key"], "seconds": f"{seconds:.3f}"}
+        publish(out_dir, shards[si]["key"], ".safetensors", lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+    run_shards(llm, [len(sh["rows"]) for sh in shards], int(job["max_num_seqs"]), submit, collect, write)
 
 
 def main(job_path: str, result_path: str) -> None:

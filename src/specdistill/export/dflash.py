@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specdistill.export.eagle3 import SPECULATORS_VERSION, _relative_to_project, check_against_target
+from specdistill.export.eagle3 import check_against_target, rope_parameters, speculators_header
 from specdistill.export.target import ExportError
 from specdistill.io import atomic_path
 
@@ -63,21 +63,9 @@ def export_dflash(drafter: Any, out_dir: str | Path, target_dir: str | Path, num
         raise ExportError(f"num_speculative_tokens={k}: a block of {cfg.block_size} drafts 1..{cfg.block_size - 1}")
     t = check_against_target(cfg, target_dir)
     state, layers = dflash_state(drafter)
-    rope = dict(cfg.rope_parameters or t.get("rope_parameters") or {})
-    if "rope_theta" not in rope and t.get("rope_theta") is not None:
-        rope["rope_theta"] = t["rope_theta"]
-    rope.setdefault("rope_type", "default")
+    rope = rope_parameters(cfg, t)
     config = {
-        "speculators_model_type": "dflash",
-        "speculators_version": SPECULATORS_VERSION,
-        "architectures": ["DFlashSpeculator"],
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k)}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": _relative_to_project(target_dir),
-                         "architectures": list(t.get("architectures") or ["LlamaForCausalLM"])},
-        },
+        **speculators_header("dflash", "DFlashSpeculator", k, target_dir, t),
         "transformer_layer_config": {
             "model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,

@@ -88,6 +88,32 @@ def eagle3_state(head: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
     return state, sorted(cfg.feature_layers)
 
 
+def rope_parameters(cfg: Any, target_config: dict[str, Any]) -> dict[str, Any]:
+    """The draft's RoPE settings (its own, else the target's), with the theta and type engines read."""
+    rope = dict(cfg.rope_parameters or target_config.get("rope_parameters") or {})
+    if "rope_theta" not in rope and target_config.get("rope_theta") is not None:
+        rope["rope_theta"] = target_config["rope_theta"]
+    rope.setdefault("rope_type", "default")
+    return rope
+
+
+def speculators_header(algorithm: str, architecture: str, k: int, target_dir: Path, target_config: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """What every speculators config opens with: its type and version, and the proposal and verifier it names."""
+    return {
+        "speculators_model_type": algorithm,
+        "speculators_version": SPECULATORS_VERSION,
+        "architectures": [architecture],
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": _relative_to_project(target_dir),
+                         "architectures": list(target_config.get("architectures") or ["LlamaForCausalLM"])},
+        },
+    }
+
+
 def export_eagle3(head: Any, out_dir: str | Path, target_dir: str | Path, num_speculative_tokens: int = 3) -> Path:
     """Write `head` (an eagle3 `EagleHead`) as a speculators-format folder that names `target_dir` its verifier."""
     from safetensors.torch import save_file
@@ -99,21 +125,9 @@ def export_eagle3(head: Any, out_dir: str | Path, target_dir: str | Path, num_sp
         raise ExportError(f"num_speculative_tokens={num_speculative_tokens}: the engine drafts at least 1 token")
     t = check_against_target(cfg, target_dir)
     state, layers = eagle3_state(head)
-    rope = dict(cfg.rope_parameters or t.get("rope_parameters") or {})
-    if "rope_theta" not in rope and t.get("rope_theta") is not None:
-        rope["rope_theta"] = t["rope_theta"]
-    rope.setdefault("rope_type", "default")
+    rope = rope_parameters(cfg, t)
     config = {
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "architectures": ["Eagle3Speculator"],
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": _relative_to_project(target_dir),
-                         "architectures": list(t.get("architectures") or ["LlamaForCausalLM"])},
-        },
+        **speculators_header("eagle3", "Eagle3Speculator", num_speculative_tokens, target_dir, t),
         "transformer_layer_config": {
             "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,

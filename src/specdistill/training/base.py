@@ -103,6 +103,15 @@ class DistillModule(pl.LightningModule):
             return Teacher(logits=teacher.logits[:, self.d2t]), targets
         return teacher, targets
 
+    def own_confidence(self, student: torch.Tensor, labels: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """A grid shaped like `where` holding, at its True cells (in the order of `student`'s rows), the student's own
+        detached probability of the token that followed, 0 where its draft vocabulary cannot emit it (D-PACE)."""
+        _, targets = self.teacher_in_student_vocab(Teacher(), labels)
+        q = torch.softmax(student.detach().float(), -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+        grid = torch.zeros(where.shape, device=q.device)
+        grid[where] = torch.where(targets >= 0, q, torch.zeros_like(q))
+        return grid
+
     def _loss(self, student: torch.Tensor, teacher: Teacher, targets: torch.Tensor,
               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         teacher, targets = self.teacher_in_student_vocab(teacher, targets)

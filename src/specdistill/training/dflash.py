@@ -143,13 +143,7 @@ class DFlashModule(DistillModule):
         of the token that followed (0 where its draft vocabulary cannot emit it)."""
         if self.step_weights != "dpace":
             return [math.exp(-(s.index - 1) / self.gamma) for s in slots]
-        confidence = []
-        for s in slots:
-            _, targets = self.teacher_in_student_vocab(Teacher(), s.labels)
-            q = torch.softmax(s.student.detach().float(), -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
-            grid = torch.zeros(s.scored.shape, device=q.device)
-            grid[s.scored] = torch.where(targets >= 0, q, torch.zeros_like(q))
-            confidence.append(grid)
+        confidence = [self.own_confidence(s.student, s.labels, s.scored) for s in slots]
         weights = dpace_weights(confidence, [s.scored for s in slots], self.dpace_alpha)
         return [w[s.scored] for w, s in zip(weights, slots, strict=True)]
 

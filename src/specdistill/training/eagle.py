@@ -157,14 +157,8 @@ class EagleModule(DistillModule):
     def _dpace(self, steps: list[UnrolledStep]) -> list[torch.Tensor]:
         """Each step's D-PACE weight at its anchors (in the order of its rows), from the head's own detached
         probability of the token that followed (0 where its draft vocabulary cannot emit it)."""
-        confidence, valid = [], []
-        for s in steps:
-            _, targets = self.teacher_in_student_vocab(Teacher(), s.labels)
-            q = torch.softmax(s.student.detach().float(), -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
-            grid = torch.zeros(s.anchors.shape, device=q.device)
-            grid[s.anchors] = torch.where(targets >= 0, q, torch.zeros_like(q))
-            confidence.append(grid)
-            valid.append(s.anchors)
+        confidence = [self.own_confidence(s.student, s.labels, s.anchors) for s in steps]
+        valid = [s.anchors for s in steps]
         return [w[s.anchors] for w, s in zip(dpace_weights(confidence, valid, self.dpace_alpha), steps, strict=True)]
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
