@@ -174,6 +174,9 @@ def test_draft_label_names_a_lookup_branch_for_every_method_and_the_key_it_had_b
     assert draft_label(tree) == ("target's first 4 layers + lookup tree of 2 chains, K=8", "untrained")
     assert draft_label({"method": "lookup", "settings": {"lookup_branches": 2}})[0] == "prompt lookup, a tree of 2 chains"
     assert draft_label({"method": "lookup", "settings": {}})[0] == "prompt lookup"
+    dflash = {"method": "dflash", "settings": {"block_size": 8, "dflash_k": 7, "draft_vocab": 8192,
+                                               "draft_training": {"loss": "fkl", "data": "target"}}}
+    assert draft_label(dflash) == ("DFlash block of 8, chain K=7 (8192 tokens)", "fkl on target")
 
 
 def test_a_continued_runs_curve_is_labelled_with_what_came_before():

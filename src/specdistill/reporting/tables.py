@@ -42,6 +42,10 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
         data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
         return (f"Medusa {s.get('medusa_heads')} heads, {s.get('tree_nodes')}-node tree{lookup_branch(s)} "
                 f"({s.get('draft_vocab')} tokens)", data)
+    if metrics["method"] == "dflash":
+        data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
+        shape = f"tree {s['dflash_branching']}" if s.get("dflash_branching") else f"chain K={s.get('dflash_k')}"
+        return f"DFlash block of {s.get('block_size')}, {shape}{lookup_branch(s)} ({s.get('draft_vocab')} tokens)", data
     if trained:
         vocab = s.get("draft_vocab")
         return f"{trained['draft_size']}{lookup_branch(s)} ({vocab} tokens)", f"{trained['loss']} on {trained['data']}"

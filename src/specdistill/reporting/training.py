@@ -45,6 +45,10 @@ def _row(name: str, r: dict[str, Any]) -> str:
     if s["method"].get("name") == "medusa":
         m = s["method"]
         student, init = f"Medusa, {m['num_heads']} heads x {m['num_layers']} block", "target's LM head"
+    elif s["method"].get("name") == "dflash":
+        m = s["method"]
+        student = f"DFlash block drafter ({m['num_layers']} layer{'s' if m['num_layers'] > 1 else ''}, blocks of {m['block_size']})"
+        init = "target's last layers, LM head rows"
     elif "variant" in s["method"]:
         m = s["method"]
         student = f"EAGLE head ({m['variant']}, 1 layer{', TTT ' + str(m['ttt_steps']) if m['ttt_steps'] > 1 else ''})"
