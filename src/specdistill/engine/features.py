@@ -13,7 +13,6 @@ embeddings, num_layers the final norm's input), and its prompt log-probs are the
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,8 +21,6 @@ from typing import Any
 import torch
 
 from specdistill.engine.generation import deal, run_workers, worker_envs
-
-log = logging.getLogger(__name__)
 
 Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
