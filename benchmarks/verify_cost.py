@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,31 +22,10 @@ from _common import target_config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from specdistill.decoding.tree import DraftTree  # noqa: E402
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
+from specdistill.evaluation.autotune import binary_tree, verify_seconds  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
 from specdistill.stages.common import environment  # noqa: E402
-
-
-def tree_of(n: int, vocab: int) -> DraftTree | None:
-    if n == 0:
-        return None
-    g = torch.Generator().manual_seed(n)
-    return DraftTree(torch.randint(0, vocab, (n,), generator=g), torch.tensor([(i - 1) // 2 for i in range(n)]))
-
-
-@torch.inference_mode()
-def verify_ms(verifier: TargetVerifier, context: list[int], n: int, repeats: int, vocab: int) -> float:
-    tree = tree_of(n, vocab)
-    verifier.prefill(context)
-    times = []
-    for i in range(repeats + 2):
-        t0 = time.perf_counter()
-        verifier.score(context[i % len(context)], tree)
-        verifier.commit([])  # keep the root only: the context grows by one token per repeat
-        if i >= 2:  # warm-up
-            times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -63,8 +40,9 @@ def main() -> None:
     vocab = target.vocab_size
     context = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     verifier = TargetVerifier(target.model, capacity=args.context + 4 * args.repeats + 128)
-    rows = {n: verify_ms(verifier, context, n, args.repeats, vocab) for n in args.nodes}
-    base = rows.get(0) or verify_ms(verifier, context, 0, args.repeats, vocab)
+    nodes = sorted({0, *args.nodes})  # the plain step is the ratio's base
+    rows = {n: s * 1000 for n, s in verify_seconds(verifier, context, nodes, vocab, args.repeats, binary_tree).items()}
+    base = rows[0]
     print(f"{'nodes':>6} {'ms':>8} {'x plain step':>13}")
     for n, ms in rows.items():
         print(f"{n:>6} {ms:8.1f} {ms / base:13.2f}")

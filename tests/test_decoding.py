@@ -268,7 +268,7 @@ def test_acceptance_counts_condition_on_earlier_positions():
 
 
 def test_alpha_is_one_minus_tv_and_pinsker_bounds_it(one_thread):
-    """The background text's eq. 4 measured: empirical first-position acceptance equals sum min(p, q)
+    """Eq. 4 (docs/definitions.md) measured: empirical first-position acceptance equals sum min(p, q)
     = 1 - TV (TV half the L1 distance), and alpha >= 1 - sqrt(KL/2) at every drafted position."""
     target, draft = tables(3)
     g = torch.Generator().manual_seed(0)

@@ -20,6 +20,7 @@ from specdistill.models.dflash import (
     load_dflash,
     save_dflash,
 )
+from specdistill.records import read_record
 from specdistill.stages import train as train_stage
 from specdistill.training.dflash import all_anchors, anchor_candidates, block_inputs, sample_anchors
 
@@ -154,7 +155,7 @@ def test_fast_dev_run_dflash(tmp_path, tiny_target_dir, generated, loss, weights
 
     drafter = load_dflash(tmp_path / "models/dflash", AutoModelForCausalLM.from_pretrained(tiny_target_dir))
     assert drafter.cfg.block_size == 4 and drafter.cfg.draft_vocab_size == 128
-    assert json.loads((tmp_path / "metrics/train_dflash.json").read_text())["settings"]["method"]["block_size"] == 4
+    assert read_record(tmp_path / "metrics/train_dflash.json")["settings"]["method"]["block_size"] == 4
 
 
 def test_evaluate_stage_runs_dflash(tmp_path, tiny_target_dir, monkeypatch):

@@ -21,6 +21,7 @@ from specdistill.models.eagle import (
 )
 from specdistill.models.hidden import HiddenTap
 from specdistill.models.vocab import target_to_draft
+from specdistill.records import read_record
 from specdistill.stages import train as train_stage
 from specdistill.training.eagle import EagleModule, step_pairs, unroll
 from specdistill.training.losses import build_loss
@@ -324,7 +325,7 @@ def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, 
     v31 = "methods.eagle.fc_norm=true" in flags
     assert head.cfg.fc_norm == head.cfg.norm_output == v31 and (head.fc_norm is not None) == v31
     assert (tmp_path / f"models/{method}/eagle3/config.json").exists() == (method == "eagle")
-    assert json.loads((tmp_path / f"metrics/train_{method}.json").read_text())["settings"]["method"]["variant"]
+    assert read_record(tmp_path / f"metrics/train_{method}.json")["settings"]["method"]["variant"]
 
 
 def eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, **eval_overrides) -> dict:

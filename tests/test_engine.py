@@ -25,6 +25,7 @@ from specdistill.export.medusa import export_medusa
 from specdistill.export.target import export_target
 from specdistill.models.eagle import load_eagle
 from specdistill.models.medusa import load_medusa
+from specdistill.records import read_record
 from specdistill.stages import train as train_stage
 
 from .conftest import make_engine_model, make_tokenizer
@@ -262,7 +263,7 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
                                  f"serve.draft_path={served['tmp']}/models/draft_full",
                                  f"serve.medusa_path={served['tmp']}/models/medusa",
                                  f"serve.dflash_path={served['tmp']}/models/dflash"))
-    saved = json.loads((tmp_path / f"metrics/serve_{method}.json").read_text())
+    saved = read_record(tmp_path / f"metrics/serve_{method}.json")
     assert saved["settings"]["vllm"] == "0.32.0" and saved["settings"]["method"] == method
     cell = saved["results"]["mtbench"]["T0.0"]["c1"]
     assert cell["ar"]["tokens_per_s"] > 0 and cell["k2"]["speedup"] > 0 and cell["k2"]["drafts"] > 0
@@ -286,3 +287,27 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     text = (tmp_path / "reports/README.md").read_text()
     assert "## In the engine: vLLM serving each draft" in text and f"| {method} | mtbench | 2 | " in text
     assert (tmp_path / "reports/serve_speedup.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_idle_drafter_is_skipped_where_the_schedule_drafts_nothing(served, tmp_path):
+    """serve.skip_idle_drafter (engine-plugin/, SPECDISTILL_SKIP_IDLE_DRAFTER=1): at the loads where the schedule
+    gives K = 0 the engine runs no drafter forward; the outputs stay the target's, and a request at a load that
+    drafts is drafted for as without the option."""
+    model = served["model"]
+    plist = prompts(4, 21, model.config.vocab_size)
+    runs = [{"name": "c4", "concurrency": 4, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "prompts": plist},
+            {"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "prompts": plist}]
+    job = {"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
+           "speculative_config": {"method": "eagle3", "model": str(served["eagle"]), "num_speculative_tokens": K,
+                                  "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 256, 0]]}}
+    want = [greedy(model, p) for p in plist]
+    got = {}
+    for skip in (False, True):
+        log = tmp_path / f"engine-{skip}.log"
+        res = run_engine(job, log_path=log, env={"SPECDISTILL_SKIP_IDLE_DRAFTER": "1"} if skip else None)
+        for run in res["runs"]:
+            assert [r["token_ids"] for r in run["requests"]] == want, (skip, run["name"])
+        assert ("run without the drafter's forward" in log.read_text()) == skip
+        got[skip] = res["runs"][1]["spec"]  # concurrency 1: K = 3, the drafter runs in both
+    assert got[True]["vllm:spec_decode_num_drafts"] > 0
+    assert got[True]["vllm:spec_decode_num_accepted_tokens_per_pos"] == got[False]["vllm:spec_decode_num_accepted_tokens_per_pos"]

@@ -16,6 +16,7 @@ import torch
 
 from specdistill.data.generation import GenerateConfig, generate_shard, shard_name, stop_ids
 from specdistill.data.prompts import apply_template
+from specdistill.records import read_record
 from specdistill.stages import generate as generate_stage
 from specdistill.stages.prepare import save_split
 
@@ -108,14 +109,15 @@ def test_identical_runs_write_identical_bytes(workdir, tiny_target_dir):
     import shutil
 
     shutil.rmtree(workdir / "generated")
-    (workdir / "metrics/generate.json").unlink()
+    for f in (workdir / "metrics/generate.json", workdir / "metrics/records/generate.json"):  # headline and record
+        f.unlink()
     time.sleep(0.01)
     second = generate_stage.run(cfg)
     assert tree_digest(workdir / "generated") == digest
     assert second["counts"] == first["counts"]
     import json
 
-    timing = json.loads((workdir / "metrics/generate.json").read_text())
+    timing = read_record(workdir / "metrics/generate.json")
     assert timing["fingerprint"] == first["fingerprint"] and timing["generation"]["untimed_shards"] == 0
     assert len(timing["shards"]) == 6 and timing["generation"]["new_tokens"] == sum(
         c["response_tokens"] for c in second["counts"].values())
@@ -133,10 +135,11 @@ def test_timing_inside_an_older_shard_moves_to_metrics(workdir, tiny_target_dir)
     digest = tree_digest(workdir / "generated")
     shard = workdir / "generated/train" / shard_name(1)
     (shard / "generation.json").write_text(json.dumps({"new_tokens": 40, "seconds": 2.0}))
-    (workdir / "metrics/generate.json").unlink()
+    for f in (workdir / "metrics/generate.json", workdir / "metrics/records/generate.json"):  # headline and record
+        f.unlink()
     m = generate_stage.run(cfg)
     assert m["this_run"]["shards"] == 0 and tree_digest(workdir / "generated") == digest
-    timing = json.loads((workdir / "metrics/generate.json").read_text())
+    timing = read_record(workdir / "metrics/generate.json")
     assert timing["shards"] == {f"train/{shard_name(1)}": {"new_tokens": 40, "seconds": 2.0}}
     assert timing["generation"] == {"new_tokens": 40, "seconds": 2.0, "tokens_per_s": 20.0, "untimed_shards": 5}
 

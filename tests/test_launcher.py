@@ -4,7 +4,6 @@ launcher config (`hydra/launcher=slurm`) asks the cluster for."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from specdistill.records import read_record
 
 from .conftest import ROOT
 from .test_train import overrides, write_split
@@ -53,14 +54,33 @@ def test_sweep_runs_each_job_in_its_own_submitit_process(tmp_path, tiny_target_d
         assert (folder / f"{job_id}_0_result.pkl").exists(), sorted(p.name for p in folder.iterdir())
         # the job's own training ran in that process: its log is in that process's output
         log = (folder / f"{job_id}_0_log.err").read_text() + (folder / f"{job_id}_0_log.out").read_text()
-        assert f"-{loss}: val/alpha" in log, log[-3000:]
-        assert all(f"-{other}: val/alpha" not in log for other in LOSSES if other != loss)
+        assert f"loss={loss}: val/alpha" in log, log[-3000:]
+        assert all(f"loss={other}: val/alpha" not in log for other in LOSSES if other != loss)
         # and wrote its outputs: the model in its job folder, the metrics named by its loss
         assert (job / "model/config.json").exists()
-        metrics = list((tmp_path / "metrics/sweep").glob(f"draft-*-{loss}.json"))
+        metrics = list((tmp_path / "metrics/sweep").glob(f"draft-loss={loss}.json"))  # named by the swept override
         assert len(metrics) == 1, metrics
-        assert json.loads(metrics[0].read_text())["settings"]["loss"]["name"] == loss
+        assert read_record(metrics[0])["settings"]["loss"]["name"] == loss
     assert len(set(job_ids.values())) == len(LOSSES), job_ids
+
+
+@pytest.mark.launcher
+def test_a_sweep_over_any_key_keeps_each_jobs_metrics_and_run_apart(tmp_path, tiny_target_dir, generated):
+    """`-m distill.optimizer.lr=a,b`: a key that is neither the method, the draft nor the loss still names each
+    job's metrics file and W&B run (two jobs used to write one `draft-xs-fkl.json` and two runs of that name)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "pipelines/train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+           "distill.optimizer.lr=1e-4,1e-3", "+trainer.fast_dev_run=1", "logger=wandb", f"logger.dir={tmp_path}",
+           *overrides(tmp_path, tiny_target_dir, generated)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    files = sorted(p.name for p in (tmp_path / "metrics/sweep").glob("*.json"))
+    assert files == ["draft-distill.optimizer.lr=1e-3.json", "draft-distill.optimizer.lr=1e-4.json"], files
+    lrs = {read_record(tmp_path / "metrics/sweep" / f)["settings"]["distill"]["optimizer"]["lr"] for f in files}
+    assert lrs == {1e-4, 1e-3}
+    for lr in ("1e-4", "1e-3"):  # the W&B run takes the job's name (Plan.run_name), logged with its result
+        assert f"draft-distill.optimizer.lr={lr}: val/alpha" in proc.stdout + proc.stderr
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2  # one run per job
 
 
 def slurm_script(tmp_path: Path, monkeypatch, *ovr: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from specdistill.online.buffer import RejectionBuffer
 from specdistill.online.policy import OnlineConfig, StoppingRule
 from specdistill.online.recorder import RecordingVerifier
 from specdistill.online.server import OnlineDistiller
+from specdistill.records import read_record
 from specdistill.training.draft import DraftLMModule
 from specdistill.training.losses import Teacher, build_loss
 
@@ -192,7 +192,7 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
            "online": {"requests": 4, "held_out": 2, "max_new_tokens": 12, "update_every": 2, "steps": 2,
                       "batch_size": 2, "topk": 16, "lr": 1e-3, "scenario": scenario, "gate": int(scenario == "chat")}}
     metrics = online_stage.run(cfg)
-    saved = json.loads((tmp_path / "metrics/online_draft.json").read_text())
+    saved = read_record(tmp_path / "metrics/online_draft.json")
     assert saved["held_out"]["frozen"]["requests"] == 2 and saved["stream"]["online"]["requests"] == 4
     assert len(saved["updates"]) >= 1 and metrics["time"]["update_s"] > 0
     curve = (tmp_path / "plots/online_draft/curve.csv").read_text().splitlines()

@@ -216,3 +216,78 @@ def test_environment_names_the_cpu_and_its_kind(monkeypatch):
     monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
     env = common.environment()
     assert env["device"] == "Test CPU 9000" and set(env["cpu"]) == {"capability", "native_bf16"}
+
+
+def test_the_summary_keeps_the_best_setting_of_each_method_and_the_engines_deployed_speedup(tmp_path, monkeypatch):
+    (tmp_path / "metrics").mkdir()
+    slow, fast = metrics("eagle", [0.5, 0.4], 1.7), metrics("eagle", [0.6, 0.5], 2.0)
+    fast["results"]["mtbench"]["T0"]["spec"]["speedup"] = 1.9  # eagle_k4 beats eagle (1.6): the row keeps eagle_k4
+    for m in (slow, fast):
+        m["settings"].update(eagle_variant="eagle3", draft_vocab=8192, eagle_tree={"shape": "chain", "k": 2})
+    union = metrics("eagle", [0.5, 0.4], 2.5)
+    union["settings"].update(eagle_variant="eagle3", lookup_branch=True, lookup_k=8, eagle_tree={"shape": "chain", "k": 2})
+    for name, m in {"eagle": slow, "eagle_k4": fast, "eagle_lookup": union,
+                    "lookup": metrics("lookup", [0.5, 0.5], 1.4)}.items():
+        (tmp_path / f"metrics/{name}.json").write_text(json.dumps(m))
+    serve = {"settings": {"k": [1]}, "results": {}, "chosen_k": {},
+             "deploy": {"speedup_geomean": {"c1": 1.12, "c16": 0.91}}}
+    (tmp_path / "metrics/serve_eagle.json").write_text(json.dumps(serve))
+    text = render(tmp_path, monkeypatch)
+    summary = text[text.index("## Summary"):text.index("## Every run")]
+    ours = summary[:summary.index("In the engine")]
+    rows = [line for line in ours.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    # one row per method, best geomean first; the union is its own method; the slower EAGLE-3 setting is not shown
+    assert [r.split(" | ")[0] for r in rows] == ["| EAGLE-3", "| EAGLE-3 + lookup branch", "| prompt lookup"]
+    assert "(`eagle_k4`)" in rows[0] and "tau 2.00, 1.90x" in rows[0] and "`eagle`)" not in summary
+    assert "| eagle | 1.12x | 0.91x |" in summary  # the engine's deployed schedule, concurrency 1 and 16
+    assert "### mtbench, temperature 0" in text  # every run stays in the detail tables
+
+
+def test_each_figure_has_a_panel_per_dataset_and_temperature(tmp_path, monkeypatch):
+    from specdistill.reporting import figures
+
+    (tmp_path / "metrics").mkdir()
+    m = metrics("draft", [0.8, 0.5], 2.1)
+    m["results"]["humaneval"] = {"T1": m["results"]["mtbench"]["T0"]}  # 2 datasets x 2 temperatures, one absent
+    (tmp_path / "metrics/draft.json").write_text(json.dumps(m))
+    saved = []
+    monkeypatch.setattr(figures, "legend_beside", lambda fig, axes, out, title: saved.append(
+        (out.name, sorted(k for k, ax in axes.items() if ax.get_visible()), [len(ax.lines) for ax in axes.values()])))
+    render(tmp_path, monkeypatch)
+    panels = [("humaneval", "T1"), ("mtbench", "T0")]
+    assert {name: p for name, p, _ in saved} == {"acceptance_by_position.png": panels, "speedup.png": panels,
+                                                 "tau_vs_k.png": panels}
+    lines = {name: n for name, _, n in saved}
+    assert lines["acceptance_by_position.png"] == [0, 1, 1, 0]  # humaneval T0, T1, mtbench T0, T1: a series where measured
+
+
+def test_the_engine_section_gives_each_runs_step_cost_and_the_deployed_schedule(tmp_path, monkeypatch):
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/draft.json").write_text(json.dumps(metrics("draft", [0.8, 0.5], 2.1)))
+    cell = lambda tau, speedup: {"tau": tau, "alpha_pos1": 0.3, "speedup": speedup,  # noqa: E731
+                                 "tokens_per_s": 30.0 * speedup, "latency_p50_s": 1.0}
+    ar = {"tokens_per_s": 30.0, "latency_p50_s": 1.2}
+    serve = {"settings": {"k": [1, 3], "vllm": "0.32.0"},
+             "results": {"humaneval": {"T0.0": {"c1": {"ar": ar, "k1": cell(1.35, 1.08), "k3": cell(1.45, 0.90)},
+                                                "c16": {"ar": ar, "k1": cell(1.35, 0.50), "k3": cell(1.45, 0.40)}}}},
+             "chosen_k": {"c1": {"k": 1, "speedup_geomean": 1.08}, "c16": {"k": 1, "speedup_geomean": 0.50}},
+             "deploy": {"speedup_geomean": {"c1": 1.05, "c16": 0.62}, "speculative_config": {"method": "eagle3"}},
+             "cold_start_s": {"k1": 20.0}}
+    (tmp_path / "metrics/serve_eagle.json").write_text(json.dumps(serve))
+    text = render(tmp_path, monkeypatch)
+    engine = text[text.index("## In the engine"):]
+    assert "| eagle | 1 | 1 | 1.08x | 1.05x | 1.08x | 0.90x |" in engine  # K chosen at c1, deployed, each K
+    assert "| eagle | 16 | off (best K=1: 0.50x) | 1.00x | 0.62x | 0.50x | 0.40x |" in engine
+    # the step cost is tau / speed-up: 1.35 / 1.08 = 1.25 plain steps at c1, 1.35 / 0.50 = 2.70 at c16
+    assert "| 1.08x | 1.25 |" in engine and "| 0.50x | 2.70 |" in engine
+    assert "| eagle | 1.05x | 0.62x |" in text[:text.index("## Every run")]  # and the summary's engine row
+
+
+def test_an_auto_depth_run_shows_its_prediction_beside_the_measurement(tmp_path, monkeypatch):
+    (tmp_path / "metrics").mkdir()
+    m = metrics("eagle", [0.5, 0.4], 1.7)
+    m["settings"]["auto_depth"] = {"depth": 2, "pilot_rounds": 40, "seconds": 12.0, "predicted": {
+        "0": {"speedup": 1.0}, "1": {"speedup": 1.21}, "2": {"speedup": 1.34}}}
+    (tmp_path / "metrics/eagle_auto.json").write_text(json.dumps(m))
+    text = render(tmp_path, monkeypatch)
+    assert "| eagle_auto | 0: 1.00x / 1: 1.21x / 2: 1.34x | 2 | 1.34x | mtbench/T0: 1.60x | 40 rounds, 12 s |" in text

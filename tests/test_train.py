@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from specdistill.records import read_record
 from specdistill.stages import train as train_stage
 from specdistill.stages.common import ConfigError
 
@@ -69,7 +70,7 @@ def test_fast_dev_run_every_loss(tmp_path, tiny_target_dir, generated, loss, voc
     assert res["settings"]["draft_vocab"] == (128 if vocab == "128" else None)
     assert 0 < res["final"]["val/alpha"] <= 1 and 1 <= res["final"]["val/tau_sim"] <= 5
     assert (tmp_path / "models/draft/config.json").exists()
-    assert json.loads((tmp_path / "metrics/train_draft.json").read_text())["settings"]["loss"]["name"] == loss
+    assert read_record(tmp_path / "metrics/train_draft.json")["settings"]["loss"]["name"] == loss
 
 
 @pytest.mark.parametrize("source", ["draft", "mix"])
@@ -171,7 +172,7 @@ def test_a_continued_run_records_its_lineage(tmp_path, tiny_target_dir, generate
     assert third["settings"]["lineage"] == [
         {"run": "a", "steps": 2, "train_tokens": first["settings"]["train_tokens"], "prompt_mix": {"code_fraction": 0.5}},
         {"run": "b", "steps": 1, "train_tokens": first["settings"]["train_tokens"]}]
-    assert json.loads((tmp_path / "metrics/train_c.json").read_text())["settings"]["lineage"][0]["run"] == "a"
+    assert read_record(tmp_path / "metrics/train_c.json")["settings"]["lineage"][0]["run"] == "a"
 
 
 def test_lineage_of_folders_saved_before_it_or_without_settings(tmp_path):
@@ -208,7 +209,7 @@ def test_ddp_validation_equals_one_process(tmp_path, tiny_target_dir, tiny_token
     common = [f"methods.draft.init_from={tmp_path / 'fixed'}", "trainer.max_steps=0"]
     one = train_stage.run(composed(*overrides(tmp_path / "one", tiny_target_dir, generated, *common)))["final"]
     torchrun(tmp_path, *overrides(tmp_path / "two", tiny_target_dir, generated, *common))
-    two = json.loads((tmp_path / "two/metrics/train_draft.json").read_text())["final"]
+    two = read_record(tmp_path / "two/metrics/train_draft.json")["final"]
     keys = ["val/alpha", "val/alpha_t0", "val/tau_sim", "val/tau_sim_t0", "val/alpha_pos3", "val/loss"]
     for k in keys:
         assert two[k] == pytest.approx(one[k], abs=1e-4), k
@@ -219,7 +220,7 @@ def test_ddp_validation_equals_one_process(tmp_path, tiny_target_dir, tiny_token
 def test_ddp_training_writes_one_checkpoint_and_one_wandb_run(tmp_path, tiny_target_dir, generated):
     torchrun(tmp_path, *overrides(tmp_path, tiny_target_dir, generated, "trainer.max_steps=4",
                                   "trainer.val_check_interval=2", "logger=wandb", f"paths.wandb_dir={tmp_path}"))
-    res = json.loads((tmp_path / "metrics/train_draft.json").read_text())
+    res = read_record(tmp_path / "metrics/train_draft.json")
     assert res["steps"] == 4 and res["settings"]["trainer"]["strategy"] == "ddp"
     assert (tmp_path / "models/draft/model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints/draft").glob("*.ckpt")) == ["last.ckpt", "step4.ckpt"]

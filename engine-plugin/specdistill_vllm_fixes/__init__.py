@@ -26,6 +26,14 @@ upstream runs its own code.
    smaller K (or 0) at some load stops the engine. Head k's draft does not depend on the heads after it: the
    fix drafts with all heads and keeps the first K asked for.
 
+4. An option, not a fix: `SPECDISTILL_SKIP_IDLE_DRAFTER=1` in the engine's environment skips the drafter's forward
+   on the steps whose batch-size schedule asks for K = 0. vLLM 0.32 still runs it there (`sample_tokens` calls
+   `propose_draft_token_ids` whatever K is; `propose` returns empty only after the forward, "to keep the drafter
+   KV cache in sync"), so on this CPU a schedule that switches EAGLE-3 off at high load still served 0.64x the
+   engine alone. Skipped, those steps cost what the engine alone costs, but the drafter's KV cache misses the
+   tokens of those steps: when the schedule turns drafting back on for the same request (its batch shrank), the
+   draft reads stale keys there and is accepted less. Outputs stay the target's (every draft is verified).
+
 Beside the fixes, `hidden_states.py` holds a KV connector (not loaded by `register`; a job names it) that
 captures the target's hidden states on a CPU, where vLLM's example connector needs CUDA (its docstring).
 """
@@ -33,6 +41,7 @@ captures the target's hidden states on a CPU, where vLLM's example connector nee
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +123,47 @@ def medusa_propose(original):
     return propose
 
 
+SKIP_IDLE_DRAFTER = "SPECDISTILL_SKIP_IDLE_DRAFTER"
+
+
+def skip_idle_sample_tokens(original):
+    """GPUModelRunner.sample_tokens, noting whether this step's schedule drafts nothing (K = 0)."""
+    import functools
+
+    @functools.wraps(original)
+    def sample_tokens(self, grammar_output):
+        state = self.execute_model_state
+        self._specdistill_idle = (state is not None and self.speculative_config is not None
+                                  and self.speculative_config.uses_dynamic_speculative_decoding()
+                                  and state[0].num_spec_tokens_to_schedule == 0)
+        try:
+            return original(self, grammar_output)
+        finally:
+            self._specdistill_idle = False
+
+    sample_tokens.specdistill_fix = True
+    return sample_tokens
+
+
+def skip_idle_fits(original):
+    """GPUModelRunner._input_fits_in_drafter, False on a K = 0 step: vLLM then zeroes the drafts and runs no
+    drafter forward (its path for inputs too long for the drafter)."""
+    import functools
+
+    @functools.wraps(original)
+    def fits(self, common_attn_metadata):
+        if not getattr(self, "_specdistill_idle", False):
+            return original(self, common_attn_metadata)
+        if not getattr(fits, "said", False):
+            fits.said = True
+            log.warning("specdistill: a K = 0 step of the schedule, run without the drafter's forward "
+                        "(%s=1)", SKIP_IDLE_DRAFTER)
+        return False
+
+    fits.specdistill_fix = True
+    return fits
+
+
 def register() -> None:
     try:
         from vllm.model_executor.models import medusa
@@ -127,6 +177,12 @@ def register() -> None:
                              (medusa_proposer.MedusaProposer, "propose", medusa_propose)):
         if not getattr(getattr(owner, name), "specdistill_fix", False):  # once per process
             setattr(owner, name, fix(getattr(owner, name)))
+    if os.environ.get(SKIP_IDLE_DRAFTER) == "1":
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        for name, fix in (("sample_tokens", skip_idle_sample_tokens), ("_input_fits_in_drafter", skip_idle_fits)):
+            if not getattr(getattr(GPUModelRunner, name), "specdistill_fix", False):
+                setattr(GPUModelRunner, name, fix(getattr(GPUModelRunner, name)))
     if not current_platform.is_cpu():
         return
     if expand_is_broken(cpu_triton_utils._expand_kernel_impl):

@@ -1,5 +1,9 @@
 """W&B runs for every stage: offline unless told otherwise, rank zero only, always finished.
 
+One convention: `job_type` is the stage (fetch_assets, prepare, generate, features, train, evaluate, online, export,
+serve, report), the run's name is the DVC stage's (`evaluate@eagle`; a sweep job's name is its overrides), and
+the group is the experiment.
+
 `WANDB_MODE` in the environment wins over the config, so `WANDB_MODE=online` syncs a run for a user
 with an account and `WANDB_MODE=disabled` silences it; offline runs land in `<dir>/wandb/` and can be
 synced later with `wandb sync`.
@@ -11,6 +15,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from specdistill.outputs import is_rank_zero
@@ -32,6 +37,9 @@ class _NoRun:
     def finish(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def log_artifact(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
 
 @contextlib.contextmanager
 def wandb_run(logger_cfg: dict[str, Any] | None, *, job_type: str, group: str, config: dict[str, Any],
@@ -51,7 +59,7 @@ def wandb_run(logger_cfg: dict[str, Any] | None, *, job_type: str, group: str, c
         entity=cfg.get("entity"),
         group=group,
         job_type=job_type,
-        name=name,
+        name=name or job_type,
         tags=list(cfg.get("tags") or []),
         config=config,
         mode=mode,
@@ -64,3 +72,15 @@ def wandb_run(logger_cfg: dict[str, Any] | None, *, job_type: str, group: str, c
         run.finish(exit_code=1)
         raise
     run.finish()
+
+
+def log_folder(run: Any, folder: str | Path, name: str, kind: str = "model") -> None:
+    """A folder the stage wrote, as a W&B artifact by reference: its files' checksums and paths, no copy (DVC
+    keeps the bytes; an artifact per model would double the disk a sweep takes)."""
+    if run.dir is None:  # logging is off
+        return
+    import wandb
+
+    art = wandb.Artifact(name.replace("@", "-"), type=kind)
+    art.add_reference(Path(folder).resolve().as_uri())
+    run.log_artifact(art)

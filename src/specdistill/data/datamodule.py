@@ -48,6 +48,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from specdistill.data.generation import dataset_responses
+from specdistill.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,6 @@ log = logging.getLogger(__name__)
 # draft's own samples (all of them, or a fraction mix_lambda of the batches): training/onpolicy.py
 SOURCES = ("target", "dataset", "draft", "mix")
 TOPK_COLUMNS = ("topk_ids", "topk_logprobs")
-
-
-class DataError(ValueError):
-    """Distillation data is missing, malformed or misconfigured."""
 
 
 @dataclass

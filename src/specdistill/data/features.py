@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from specdistill.data.datamodule import DataError
+from specdistill.errors import DataError
 from specdistill.io import atomic_path, config_hash
 
 MANIFEST = "manifest.json"

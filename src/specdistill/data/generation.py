@@ -6,7 +6,7 @@ rows that finished long ago still being computed). This loop sorts prompts by le
 little padding, writes keys and values into a preallocated cache, samples with a top-k-bounded
 nucleus and the exponential race, and drops finished rows from the batch as it goes.
 
-Output contract (DESIGN.md): `<out>/<split>/shard-NNNNN/` as `datasets` Arrow with `id`, `input_ids`
+Output contract (docs/definitions.md): `<out>/<split>/shard-NNNNN/` as `datasets` Arrow with `id`, `input_ids`
 (prompt + response, unpadded), `prompt_len`, and optionally `topk_ids` / `topk_logprobs` of the target
 (temperature 1, before any warping) for each response position; `<out>/manifest.json`.
 """

@@ -71,7 +71,7 @@ class RoundStats:
     emitted: int  # tokens added to the output this round (accepted + 1, less any cut at a stop)
     draft_s: float
     verify_s: float
-    # at the first draft position, from the two distributions (DESIGN.md: alpha = sum min(p, q)):
+    # at the first draft position, from the two distributions (docs/definitions.md: alpha = sum min(p, q)):
     alpha_exact: float | None = None  # expected acceptance of the first drafted token
     kl: float | None = None  # KL(p || q) there (inf where q misses p's support)
 

@@ -132,9 +132,10 @@ class EngineProcess:
 
 
 def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: str | None = "0-1", iomp: bool = True,
-               timeout_s: float = 3600, log_path: str | Path | None = None) -> dict[str, Any]:
+               timeout_s: float = 3600, log_path: str | Path | None = None,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
     """Start the engine on `job` (worker.py's format), wait for it, return its result; a clear error on failure."""
-    return EngineProcess(job, root=root, threads=threads, iomp=iomp, log_path=log_path).wait(timeout_s)
+    return EngineProcess(job, root=root, threads=threads, iomp=iomp, log_path=log_path, env=env).wait(timeout_s)
 
 
 def engine_version() -> str:

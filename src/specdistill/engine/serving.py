@@ -1,7 +1,7 @@
 """What the serve stage asks the engine and how it reads the answers: jobs, and acceptance and speed from them.
 
 One engine start per setting of the engine (no speculation, then each K), each serving every dataset x
-temperature x concurrency run. Definitions are DESIGN.md's, from the engine's own counters: a "draft" is one
+temperature x concurrency run. Definitions are docs/definitions.md's, from the engine's own counters: a "draft" is one
 round of K drafted tokens; `per_pos[i]` counts rounds whose first i+1 tokens were accepted, so alpha_pos{i+1} =
 per_pos[i] / per_pos[i-1] (conditional, as ours), tau = 1 + accepted / drafts (tokens per target forward), and
 the speed-up is output tokens/s against the engine without speculation on the same requests.
@@ -47,6 +47,7 @@ class ServeConfig:
     seed: int
     deploy_min_speedup: float  # a load's K goes into the deployed schedule only at this speed-up or more (else 0)
     ar_bracket: bool  # the engine alone also after the K starts: each baseline the mean of the two
+    skip_idle_drafter: bool  # the deployed schedule runs no drafter forward at its K = 0 loads (engine-plugin/)
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "deploy_min_speedup": "[0, inf)", "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "timeout_s": "[1, inf)", "temperatures": "[0, 2]",
         "concurrency": "[1, 256]", "k": "[1, 256]", "max_model_len": "[64, inf)", "ngram_max": "[1, inf)",

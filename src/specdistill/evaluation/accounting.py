@@ -1,4 +1,4 @@
-"""Metrics from per-generation records: counts are summed first and divided last (DESIGN.md, Metrics).
+"""Metrics from per-generation records: counts are summed first and divided last (docs/definitions.md).
 
 - tau: tokens emitted / target forwards, over all generations of a setting (AR gives 1).
 - alpha_pos{k}: accepted / attempted at draft position k, given positions < k were accepted.
@@ -62,7 +62,7 @@ class Tally:
         for k, (n, a) in enumerate(zip(self.attempts, self.accepts, strict=True), start=1):
             if n:
                 out[f"alpha_pos{k}"] = round(a / n, 4)
-        if self.alpha_exact:  # the background text's eq. 4, checked position by position
+        if self.alpha_exact:  # eq. 4 of docs/definitions.md, checked position by position
             out["alpha_exact_pos1"] = round(sum(self.alpha_exact) / len(self.alpha_exact), 4)
             finite = [k for k in self.kl if math.isfinite(k)]
             if finite:
@@ -105,7 +105,7 @@ def speedup_interval(runs: list[tuple[int, float]], ar: list[tuple[int, float]],
 
 
 def expected_accepted_length(alpha: float, k: int) -> dict[str, float]:
-    """The background text's eq. 2: the truncated sum over k of alpha^i (+1 for the target's token),
+    """Eq. 2 (docs/definitions.md): the truncated sum over k of alpha^i (+1 for the target's token),
     and its limit 1/(1 - alpha), to set beside measured tau."""
     truncated = 1.0 + sum(alpha**i for i in range(1, k + 1))
     return {"truncated_sum": truncated, "geometric_limit": (1.0 / (1.0 - alpha)) if alpha < 1 else float("inf")}

@@ -19,99 +19,15 @@ The built-in methods are registered on import: draft (a separate small LM), medu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-from specdistill.errors import ConfigError
-
-CAPABILITIES = {"train": "build", "evaluate": "draft", "online": "online", "export": "export", "serve": "engine"}
-
-
-@dataclass
-class Built:
-    """What a method's `build` returns: its Lightning module, the trained part (counted and saved), and how to
-    save it (the model folder, the settings written beside it)."""
-
-    module: Any
-    student: Any
-    save: Callable[[Path, dict[str, Any]], None]
-
-
-@dataclass
-class Drafting:
-    """What a method's `draft` returns to the evaluate stage: the proposer our decoder verifies, what the
-    metrics record about the draft, and the deepest position it drafts."""
-
-    proposer: Any
-    info: dict[str, Any] = field(default_factory=dict)
-    max_depth: int = 0
-    assistant: Any = None  # an HF model that HF assisted generation can run beside ours (full vocabulary only)
-    lookup_row: bool = False  # also report prompt lookup alone beside it
-    lookup_branch: bool = True  # eval.lookup_branch may add a lookup chain to it (not to lookup itself)
-
-
-@dataclass
-class OnlineStudent:
-    """What a method's `online` returns: the Lightning module around the float32 student, the proposer over a
-    serving copy in the target's dtype, and how to save a deployed version."""
-
-    module: Any
-    proposer: Any
-    student: Any
-    serving: Any
-    save: Callable[[Path, int], None]
-    replay: Callable[[Any], Any] | None = None  # loss -> a module with a live teacher sharing the student, for
-    # replaying offline batches (None: the module's own teacher is live already)
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    doc: str
-    config: type | None = None
-    build: Callable[..., Built] | None = None
-    label: Callable[[Any, Any], str] | None = None
-    reads_hidden: bool = False
-    precomputed: bool = False
-    uses_draft_size: bool = False
-    check: Callable[[Any], None] | None = None  # the method's own checks of its config, before the target loads
-    draft: Callable[[Any, Any], Drafting] | None = None
-    # evaluate's lookup branch (a union of deterministic trees): None when the method takes no branch; else
-    # ecfg -> the setting that makes its draft deterministic when it would sample a chain, or None when it is
-    sampled_chain: Callable[[Any], str | None] | None = None
-    online: Callable[[Any, Any, str], OnlineStudent] | None = None
-    online_teacher: str = "live"  # stored: the student learns from the target's stored top-k at judged positions
-    export: Callable[..., None] | None = None
-    engine: Callable[[Any, int, str | None], dict[str, Any]] | None = None
-    max_k: Callable[[str], int] | None = None  # the most tokens the engine drafts with this export (None: any K)
-    ours: Callable[[Any, Any, int], Any] | None = None
-
-
-REGISTRY: dict[str, Method] = {}
-
-
-def register(method: Method) -> Method:
-    if method.name in REGISTRY:
-        raise ValueError(f"method {method.name!r} is registered twice")
-    REGISTRY[method.name] = method
-    return method
-
-
-def names(capability: str) -> tuple[str, ...]:
-    """The registered methods that have `capability` (train, evaluate, online, export, serve)."""
-    attr = CAPABILITIES[capability]
-    return tuple(n for n, m in REGISTRY.items() if getattr(m, attr) is not None)
-
-
-def get(name: str, capability: str, key: str = "method") -> Method:
-    """The method `name`, which must have `capability`; an error naming the config key and the choices."""
-    method = REGISTRY.get(name)
-    if method is None or getattr(method, CAPABILITIES[capability]) is None:
-        raise ConfigError(f"{key}={name!r}: use one of {names(capability)}"
-                          + ("" if method is None else f" ({name} has no {capability} part)"))
-    return method
-
-
-from specdistill.methods import dflash, draft, eagle, lookup, medusa  # noqa: E402, F401 (registers the built-in methods)
+from specdistill.methods import dflash, draft, eagle, lookup, medusa  # noqa: F401 (imported to register the built-ins)
+from specdistill.methods.registry import (  # noqa: F401 (the registry's interface, re-exported)
+    CAPABILITIES,
+    REGISTRY,
+    Built,
+    Drafting,
+    Method,
+    OnlineStudent,
+    get,
+    names,
+    register,
+)

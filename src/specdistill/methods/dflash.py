@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.errors import ConfigError
-from specdistill.methods import Built, Drafting, Method, register
+from specdistill.methods.registry import Built, Drafting, Method, register
 from specdistill.training.dflash import DFlashMethodConfig
 
 

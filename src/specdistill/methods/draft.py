@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.errors import ConfigError
-from specdistill.methods import Built, Drafting, Method, OnlineStudent, register
+from specdistill.methods.registry import Built, Drafting, Method, OnlineStudent, register
 from specdistill.training.base import MethodConfigBase
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.errors import ConfigError
-from specdistill.methods import Built, Drafting, Method, OnlineStudent, register
+from specdistill.methods.registry import Built, Drafting, Method, OnlineStudent, register
 from specdistill.training.eagle import EagleMethodConfig
 
 

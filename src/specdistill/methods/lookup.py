@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdistill.methods import Drafting, Method, register
+from specdistill.methods.registry import Drafting, Method, register
 
 
 def proposer(ecfg: Any) -> Any:

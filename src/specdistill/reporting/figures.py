@@ -1,4 +1,8 @@
-"""PNG figures: acceptance by position, speed-up bars, tau against K predicted from measured acceptance."""
+"""PNG figures: acceptance by position, speed-up bars, tau against K predicted from measured acceptance.
+
+Each figure is a grid of panels, one per dataset x temperature, with one series per evaluated run and one legend
+beside the grid: a run keeps its colour in every panel, and no legend sits over the data.
+"""
 
 from __future__ import annotations
 
@@ -12,61 +16,117 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from specdistill.reporting import alphas, chained_tau, settings  # noqa: E402
 
+plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 9})
+
 
 def finish(fig: Any, ax: Any, out: Path, grid: bool = False, legend: bool = True) -> None:
-    """The end every figure shares: legend, optional grid, tight layout, a 120-dpi PNG, the figure closed."""
+    """The end every one-panel figure shares: legend, optional grid, tight layout, a 120-dpi PNG, the figure closed."""
     if grid:
         ax.grid(alpha=0.3)
     if legend:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
 
+def panels(all_metrics: dict[str, dict[str, Any]]) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """The (dataset, temperature) panels in a stable order, and a colour per evaluated run kept across panels."""
+    keys = sorted({(d, t) for _, d, t, _ in settings(all_metrics)})
+    cmap = plt.get_cmap("tab10" if len(all_metrics) <= 10 else "tab20")
+    return keys, {name: cmap(i % cmap.N) for i, name in enumerate(sorted(all_metrics))}
+
+
+def grid(keys: list[tuple[str, str]], width: float = 4.2, height: float = 3.2, sharex: bool = True) -> tuple[Any, dict]:
+    """A figure with a panel per (dataset, temperature): datasets in rows, temperatures in columns."""
+    datasets, temps = sorted({d for d, _ in keys}), sorted({t for _, t in keys})
+    fig, axes = plt.subplots(len(datasets), len(temps), figsize=(width * len(temps) + 2.2, height * len(datasets)),
+                             squeeze=False, sharex=sharex, sharey=True)
+    by_key = {}
+    for i, d in enumerate(datasets):
+        for j, t in enumerate(temps):
+            ax = axes[i][j]
+            ax.set_title(f"{d}, T = {t[1:]}")
+            ax.grid(alpha=0.3)
+            by_key[(d, t)] = ax
+            if (d, t) not in keys:
+                ax.set_visible(False)
+    return fig, by_key
+
+
+def legend_beside(fig: Any, axes: dict, out: Path, title: str) -> None:
+    """One legend for the grid, to the right of it (the runs are the same in every panel), then the PNG."""
+    handles, labels = {}, {}
+    for ax in axes.values():
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+            labels[lab] = lab
+    fig.suptitle(title)
+    if handles:
+        fig.legend(list(handles.values()), list(labels), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
+    keys, colour = panels(all_metrics)
+    fig, axes = grid(keys)
     for name, dataset, temp, m in settings(all_metrics):
         a = alphas(m.get("spec", {}))
         if a:
-            ax.plot(range(1, len(a) + 1), a, marker="o", label=f"{name} {dataset} {temp}")
-    ax.set(xlabel="draft position k", ylabel="alpha_k (accepted | positions < k accepted)", ylim=(0, 1.05),
-           title="Acceptance by draft position")
-    finish(fig, ax, out)
+            axes[(dataset, temp)].plot(range(1, len(a) + 1), a, marker="o", color=colour[name], label=name)
+    for ax in axes.values():
+        ax.set(ylim=(0, 1.05), xlabel="draft position k" if ax.get_subplotspec().is_last_row() else "")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("alpha_k (given 1..k-1 accepted)")
+    legend_beside(fig, axes, out, "Acceptance by draft position (our decoder)")
 
 
 def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
-    labels, values, errors = [], [], []
+    """Per panel, a horizontal bar per evaluated run: its speculative speed-up over AR in the same run, with the
+    95% interval over prompts; HF generate (the library baseline of each run) as a grey tick."""
+    keys, colour = panels(all_metrics)
+    names = sorted(all_metrics)
+    fig, axes = grid(keys, width=4.6, height=0.42 * len(names) + 1.4, sharex=False)
     for name, dataset, temp, m in settings(all_metrics):
-        for key in ("hf_generate", "spec", "hf_assisted"):
-            if key in m and "speedup" in m[key]:
-                labels.append(f"{name}:{key}\n{dataset} {temp}")
-                v = m[key]["speedup"]
-                values.append(v)
-                lo, hi = m[key].get("speedup_ci95") or (v, v)
-                # the 95% interval over prompts, where measured; clamped because matplotlib refuses
-                # negative error bars (an interval read from older metrics can miss its point)
-                errors.append((max(0.0, v - lo), max(0.0, hi - v)))
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(values)), 4))
-    ax.bar(range(len(values)), values, yerr=list(zip(*errors, strict=True)) if errors else None, capsize=2,
-           color=["tab:blue" if ":spec" in lab else "tab:gray" for lab in labels])
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=6)
-    ax.set(ylabel="tokens/s over our AR loop", title="Speed-up (same prompts, same process)")
-    finish(fig, ax, out, legend=False)
+        ax, y = axes[(dataset, temp)], names.index(name)
+        s = m.get("spec")
+        if s and "speedup" in s:
+            v = s["speedup"]
+            lo, hi = s.get("speedup_ci95") or (v, v)
+            # clamped because matplotlib refuses negative error bars (an interval from older metrics can miss its point)
+            ax.barh(y, v, xerr=[[max(0.0, v - lo)], [max(0.0, hi - v)]], color=colour[name], capsize=3)
+            ax.text(max(v, hi) + 0.03, y, f"{v:.2f}x", va="center", fontsize=8)
+        if "speedup" in m.get("hf_generate", {}):
+            ax.plot([m["hf_generate"]["speedup"]] * 2, [y - 0.4, y + 0.4], color="dimgray", lw=2,
+                    label="HF generate (same run)")
+    for ax in axes.values():
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens/s over our AR loop")
+        ax.set_xlim(0, max(2.0, ax.get_xlim()[1] + 0.2))
+    legend_beside(fig, axes, out, "Speed-up over AR (same prompts, same process; bars: 95% interval over prompts)")
 
 
 def tau_vs_k(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
     """tau(K) = 1 + sum_{k<=K} prod_{i<=k} alpha_i from the measured alpha_k, with the measured tau marked."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    keys, colour = panels(all_metrics)
+    fig, axes = grid(keys)
     for name, dataset, temp, m in settings(all_metrics):
         s = m.get("spec", {})
         a = alphas(s)
         if not a:
             continue
-        taus = chained_tau(a)
-        line, = ax.plot(range(len(taus)), taus, marker=".", label=f"{name} {dataset} {temp}")
-        ax.scatter([len(a)], [s["tau"]], color=line.get_color(), marker="x", s=60)
-    ax.set(xlabel="draft length K", ylabel="tau (tokens per target forward)",
-           title="tau vs K from measured alpha_k (x: measured tau)")
-    finish(fig, ax, out)
+        ax, taus = axes[(dataset, temp)], chained_tau(a)
+        ax.plot(range(len(taus)), taus, marker=".", color=colour[name], label=name)
+        if "tau" in s:
+            ax.scatter([len(a)], [s["tau"]], color=colour[name], marker="x", s=60)
+    for ax in axes.values():
+        ax.set_xlabel("draft length K" if ax.get_subplotspec().is_last_row() else "")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("tau (tokens per target forward)")
+    legend_beside(fig, axes, out, "tau against K chained from the measured alpha_k (x: the measured tau)")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 from typing import Any
+
+from specdistill.records import read_record
 
 
 def load_online(metrics_dir: Path, plots_dir: Path) -> dict[str, tuple[dict[str, Any], list[dict[str, float]]]]:
@@ -16,7 +17,7 @@ def load_online(metrics_dir: Path, plots_dir: Path) -> dict[str, tuple[dict[str,
         if curve.exists():
             with open(curve) as fh:
                 rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(fh)]
-        out[f.stem] = (json.loads(f.read_text()), rows)
+        out[f.stem] = (read_record(f), rows)
     return out
 
 

@@ -8,14 +8,22 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from specdistill.records import read_records
+
 
 def load_serving(metrics_dir: Path) -> dict[str, dict[str, Any]]:
     """{method: metrics} of the serve stages (metrics/serve_<m>.json)."""
-    return {f.stem.removeprefix("serve_"): json.loads(f.read_text()) for f in sorted(metrics_dir.glob("serve_*.json"))}
+    return {name.removeprefix("serve_"): m for name, m in read_records(metrics_dir, "serve_").items()}
 
 
 def _f(x: Any, nd: int = 2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
+
+
+def step_cost(row: dict[str, Any]) -> float | None:
+    """One speculative step's cost in steps of the engine alone: it yields tau tokens where the engine alone
+    yields one, so tokens/s over the engine alone is tau / cost."""
+    return row["tau"] / row["speedup"] if row.get("tau") and row.get("speedup") else None
 
 
 def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
@@ -54,9 +62,12 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
         if spec:
             lines += ["", f"To serve {method} as measured: `vllm serve models/export/target --speculative-config "
                       f"'{json.dumps(spec)}'` (the draft path as exported)."]
-    lines += ["", "At the best K, per dataset and temperature:", "",
-              "| method | dataset | T | c | K | tau | alpha_pos1 | tokens/s | engine alone | speed-up | p50 latency (s) | alone |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "At the best K, per dataset and temperature. Step cost: what one speculative step of the engine costs in "
+              "steps of the engine alone, tau / speed-up (drafting, the wider verification and the engine's own "
+              "bookkeeping together); a speed-up s needs tau >= s x that cost.", "",
+              "| method | dataset | T | c | K | tau | alpha_pos1 | tokens/s | engine alone | speed-up | step cost | "
+              "p50 latency (s) | alone |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, m in serve.items():
         for ds, temps in m["results"].items():
             for t, cells in temps.items():
@@ -65,7 +76,8 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
                     row, ar = cell[f"k{k}"], cell["ar"]
                     lines.append(f"| {method} | {ds} | {t[1:]} | {c[1:]} | {k} | {_f(row.get('tau'))} | "
                                  f"{_f(row.get('alpha_pos1'))} | {row['tokens_per_s']:.1f} | {ar['tokens_per_s']:.1f} | "
-                                 f"{row['speedup']:.2f}x | {row['latency_p50_s']:.2f} | {ar['latency_p50_s']:.2f} |")
+                                 f"{row['speedup']:.2f}x | {_f(step_cost(row))} | {row['latency_p50_s']:.2f} | "
+                                 f"{ar['latency_p50_s']:.2f} |")
     suspect = [(method, cell) for method, m in serve.items() for cell in m.get("above_tau", [])]
     if suspect:
         lines += ["", f"**Check these:** {len(suspect)} run(s) measured a speed-up above their tau, which one engine "

@@ -99,7 +99,7 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
 
 
 def formula_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
-    """Eq. 2 of the background text against measurement: tau predicted from measured alpha vs tau measured."""
+    """Eq. 2 (docs/definitions.md) against measurement: tau predicted from measured alpha vs tau measured."""
     lines = ["| evaluated | setting | K | measured alpha_pos1 | mean alpha over positions | 1 + sum_k prod alpha_i (measured alpha_k) | "
              "1 + sum_k alpha^k (truncated) | 1/(1-alpha) | measured tau |", "|---|---|---|---|---|---|---|---|---|"]
     for name, dataset, temp, m in settings(all_metrics):
@@ -126,3 +126,24 @@ def tv_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(f"| {name} | {dataset}/{temp} | {s['drafted_positions']} | {_fmt(s.get('alpha_pos1'), 3)} | "
                      f"{s['alpha_exact_pos1']:.3f} | {_fmt(s.get('pinsker_bound_pos1'), 3)} | {s['pinsker_violations']} |")
     return lines
+
+
+def auto_depth_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
+    """Runs with eval.depth=auto: the depth chosen from this machine's measured costs, predicted against measured."""
+    runs = {n: m for n, m in sorted(all_metrics.items()) if m["settings"].get("auto_depth")}
+    if not runs:
+        return []
+    lines = ["## Draft depth chosen for the machine (`eval.depth=auto`)", "",
+             "Measured at the start of the run (evaluation/autotune.py): the target's verification seconds per node "
+             "count and a pilot on dev prompts; predicted speed-up per depth (0 = plain AR) = tau(d) x t_verify(0) / "
+             "(t_draft(d) + t_verify(nodes(d))). The chosen depth was then evaluated on the test prompts.", "",
+             "| evaluated | predicted speed-up by depth | chosen | predicted | measured (per setting) | pilot |",
+             "|---|---|---|---|---|---|"]
+    for name, m in runs.items():
+        a = m["settings"]["auto_depth"]
+        pred = " / ".join(f"{d}: {p['speedup']:.2f}x" for d, p in a["predicted"].items())
+        measured = ", ".join(f"{ds}/{t}: {speedup_cell(s['spec'], interval=False)}"
+                             for ds, temps in m["results"].items() for t, s in temps.items())
+        lines.append(f"| {name} | {pred} | {a['depth']} | {a['predicted'][str(a['depth'])]['speedup']:.2f}x | "
+                     f"{measured} | {a['pilot_rounds']} rounds, {a['seconds']:.0f} s |")
+    return lines + [""]

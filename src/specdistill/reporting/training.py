@@ -1,21 +1,21 @@
 """The distillation part of the report: one row per trained draft, one per sweep job, the acceptance curves.
 
-`metrics/train_<name>.json` (train stage) and `metrics/sweep/*.json` (Hydra multirun jobs) hold the final
+The records of `metrics/train_<name>.json` (train stage) and `metrics/sweep/*.json` (Hydra multirun jobs) hold the final
 validation numbers with the settings; `plots/train_<name>/val.csv` the validation passes against step.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 from typing import Any
 
+from specdistill.records import read_records
+
 
 def load_training(metrics_dir: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    runs = {f.stem.removeprefix("train_"): json.loads(f.read_text()) for f in sorted(metrics_dir.glob("train_*.json"))}
-    sweep = {f.stem: json.loads(f.read_text()) for f in sorted((metrics_dir / "sweep").glob("*.json"))}
-    return runs, sweep
+    runs = {name.removeprefix("train_"): r for name, r in read_records(metrics_dir, "train_").items()}
+    return runs, read_records(metrics_dir / "sweep")
 
 
 def load_curves(plots_dir: Path, names: list[str]) -> dict[str, list[dict[str, float]]]:
@@ -106,7 +106,7 @@ def alpha_curves(curves: dict[str, list[dict[str, float]]], path: Path, labels: 
     finish(fig, ax, path, grid=True)
 
 def medusa_tables(runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str, Any]]) -> list[str]:
-    """Per-head accuracy, the trees grown from it, and exercises 3 and 4 of the background text, from measurement."""
+    """Per-head accuracy, the trees grown from it, and exercises 3 and 4 (docs/definitions.md), from measurement."""
     from specdistill.decoding.medusa import cartesian_choices, expected_accepted
 
     lines: list[str] = []

@@ -34,7 +34,8 @@ def section(cls: type[T], values: dict[str, Any], where: str, **extra: Any) -> T
             raise ConfigError(f"`{where}.{key}={value!r}`: must be {_type_name(hints[key])}")
         if key in ranges:
             for v in value if isinstance(value, list) else [value]:
-                if v is not None and not _in_range(v, ranges[key]):
+                # a number's range; a word the type admits (eval.depth=auto) is its stage's to check
+                if isinstance(v, int | float) and not _in_range(v, ranges[key]):
                     raise ConfigError(f"`{where}.{key}={value!r}`: must be in {ranges[key]}")
     try:
         return cls(**{**values, **extra})
@@ -76,11 +77,12 @@ def _in_range(v: Any, interval: str) -> bool:
 
 def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
                   replaced: dict[str, Path] | None = None, fingerprinted: dict[str, Path] | None = None,
-                  files: dict[str, Path] | None = None, locked: dict[str, Path] | None = None) -> None:
+                  files: dict[str, Path | list[Path]] | None = None, locked: dict[str, Path] | None = None) -> None:
     """At a stage's start, before any model loads: the names that become paths are plain names, no `paths.*`
     folder is the project or above it, and every folder the stage will replace whole is one a stage wrote
     (`replaced`: the marker of `io.atomic_path`; `fingerprinted`: a resumable output's FINGERPRINT).
-    `files`: output files, checked to be writable (no folder in their place, no file where their folder goes).
+    `files`: output files (one or a list per key), checked to be writable (no folder in their place, no file where
+    their folder goes).
     Every output named (and `locked`: outputs a stage only adds to) is then locked for the rest of the run
     (`outputs.lock_output`).
     Keys are the config keys to name in the error."""
@@ -92,9 +94,10 @@ def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
         check_replaceable(folder, key, (MARKER,))
     for key, folder in (fingerprinted or {}).items():
         check_replaceable(folder, key, ("FINGERPRINT",))
-    check_files(files or {})
-    for key, path in [*(replaced or {}).items(), *(fingerprinted or {}).items(), *(files or {}).items(),
-                      *(locked or {}).items()]:
+    each_file = [(key, p) for key, v in (files or {}).items() for p in (v if isinstance(v, list) else [v])]
+    for key, path in each_file:
+        check_files({key: path})
+    for key, path in [*(replaced or {}).items(), *(fingerprinted or {}).items(), *each_file, *(locked or {}).items()]:
         lock_output(path, key)  # held to the end of the run: a second run on the same output is refused
 
 

@@ -1,6 +1,7 @@
 """evaluate: speculative decoding on MT-bench and HumanEval; tau, alpha per position, speed-up.
 
-Writes `metrics/<method>.json` (every number with the settings that produced it) and
+Writes `metrics/records/<method>.json` (every number with the settings that produced it), its headline
+`metrics/<method>.json` (tau and speed-up per dataset and temperature: what `dvc metrics show` prints) and
 `plots/<method>/` (acceptance by position and speed CSVs, sample outputs).
 """
 
@@ -19,9 +20,11 @@ from specdistill.data.generation import stop_ids
 from specdistill.decoding.eagle import EagleTreeConfig
 from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.union import UnionProposer
+from specdistill.evaluation.autotune import DepthCapped, choose_depth
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
-from specdistill.io import atomic_path, write_json
+from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
+from specdistill.records import headline_of_evaluation, record_path, write_record
 from specdistill.stages.common import ConfigError, check_outputs, environment, load_prompts, section
 from specdistill.tracking import wandb_run
 
@@ -45,6 +48,7 @@ class EvalConfig:
     top_k: int = 0
     k: int = 4  # draft chain length
     tree: list[int] | None = None  # branching per depth for a top-k draft tree instead of a chain
+    depth: int | str | None = None  # a cap on the draft's depth | "auto": chosen from measured costs (autotune.py)
     draft_path: str | None = None  # a draft folder (train@draft writes models/draft); null: untrained
     # (the target's first `draft_layers` layers)
     draft_layers: int = 4
@@ -71,7 +75,7 @@ class EvalConfig:
     seed: int = 0
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "temperatures": "[0, 2]", "top_p": "(0, 1]",
-        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "draft_layers": "[1, inf)", "medusa_budget": "[1, inf)",
+        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "depth": "[0, 64]", "draft_layers": "[1, inf)", "medusa_budget": "[1, inf)",
         "lookup_k": "[1, 64]", "lookup_max_ngram": "[1, inf)", "lookup_min_ngram": "[1, inf)",
         "lookup_branches": "[1, 64]", "capacity": "[64, inf)", "dflash_k": "[1, 64]",
         "dflash_branching": "[1, 64]"}
@@ -80,6 +84,8 @@ class EvalConfig:
         method = methods.get(self.method, "evaluate", "eval.method")
         if self.split not in SPLITS:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
+        if isinstance(self.depth, str) and self.depth != "auto":
+            raise ConfigError(f"eval.depth={self.depth!r}: a depth (0 = plain AR), auto, or null (the method's own)")
         try:
             EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
         except (TypeError, ValueError) as e:
@@ -132,6 +138,9 @@ def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test"
     return [Conversation(r["id"], list(r["turns"])) for r in ds.select(rows)]
 
 
+PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
+
+
 def chat_encoder(tok: Any) -> Callable[[list[dict[str, str]]], list[int]]:
     """messages -> the token ids the target continues (its chat template, with the assistant's turn opened)."""
     def encode(messages: list[dict[str, str]]) -> list[int]:
@@ -144,12 +153,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ecfg = section(EvalConfig, dict(cfg["eval"]), "eval")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
+    metrics_file = Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"
     check_outputs(cfg, names={"eval.name": name},
                   replaced={"eval.name": Path((cfg.get("paths") or {}).get("plots_dir", "plots")) / name},
-                  files={"eval.name": Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"})
+                  files={"eval.name": [metrics_file, record_path(metrics_file)]})
     # the prompts first: a missing split or an overlapping dev set fails before the target loads
     data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
             for name in ecfg.datasets}
+    # eval.depth=auto pilots on one dev prompt per set: disjoint from the reported test prompts, as tuning must be
+    pilot = [c for name in ecfg.datasets for c in load_conversations(Path(cfg["paths"]["prompts_dir"]), name, 1, "dev",
+                                                                      test_n=ecfg.num_prompts)] \
+        if ecfg.depth == "auto" else []
     target = load_target(tcfg)
     tok, model = target.tokenizer, target.model
     stops = stop_ids(model, tok)
@@ -163,6 +177,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     spec = drafting.proposer
     if ecfg.lookup_branch and drafting.lookup_branch:  # the draft and a prompt-lookup chain as one tree
         spec = UnionProposer(spec, lookup)
+    auto = auto_depth(ecfg, model, spec, max(drafting.max_depth, ecfg.lookup_k if ecfg.lookup_branch else 0),
+                      [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot], stops) if pilot else None
+    depth = auto["depth"] if auto else ecfg.depth
+    if depth is not None:
+        spec = DepthCapped(spec, depth)
     pad = tok.pad_token_id or 0
     rows = [ours("ar", None)]
     if ecfg.hf_baselines:
@@ -176,10 +195,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     draft_info = drafting.info
 
     group = cfg.get("experiment_name", "default")
+    if auto:
+        draft_info = {**draft_info, "auto_depth": auto}
     settings = {"method": ecfg.method, **asdict(ecfg), **draft_info, "chain_or_tree": "tree" if ecfg.tree else "chain",
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
-    with wandb_run(cfg.get("logger"), job_type=f"evaluate-{name}", group=group, config=cfg) as wb:
+    with wandb_run(cfg.get("logger"), job_type="evaluate", name=f"evaluate@{name}", group=group, config=cfg) as wb:
         res = run_benchmark(rows, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
         metrics = summarise(res, ecfg.method, settings)
         paths = cfg.get("paths") or {}
@@ -193,6 +214,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                      f", {spec['tokens_per_s'] / m['hf_assisted']['tokens_per_s']:.2f}x HF assisted"
                      if "hf_assisted" in m else "")
     return metrics
+
+
+def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, prompts: list[list[int]],
+               stops: set[int]) -> dict[str, Any]:
+    """eval.depth=auto: measured on this machine, on the dev prompts, before any reported decoding."""
+    auto = choose_depth(model, spec, deepest, prompts, ecfg.temperatures, PILOT_TOKENS, stops, ecfg.capacity, ecfg.seed)
+    log.info("eval.depth=auto: depth %d (predicted %.2fx over AR; by depth %s) in %.0f s", auto["depth"],
+             auto["predicted"][str(auto["depth"])]["speedup"],
+             ", ".join(f"{d}: {p['speedup']:.2f}x" for d, p in auto["predicted"].items()), auto["seconds"])
+    return auto
 
 
 def summarise(res: Any, method: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +241,7 @@ def summarise(res: Any, method: str, settings: dict[str, Any]) -> dict[str, Any]
 
 
 def write_outputs(metrics: dict[str, Any], res: Any, method: str, metrics_dir: Path, plots_root: Path) -> None:
-    write_json(metrics_dir / f"{method}.json", metrics)
+    write_record(metrics_dir / f"{method}.json", metrics, headline_of_evaluation(metrics))
     plots = plots_root / method
     with atomic_path(plots, is_dir=True) as tmp:
         with open(tmp / "alpha_by_position.csv", "w", newline="") as f:
@@ -243,8 +274,11 @@ def log_wandb(run: Any, metrics: dict[str, Any]) -> None:
         for temp, m in temps.items():
             spec = m["spec"]
             prefix = f"eval/{ds_name}/{temp}"
+            ci = spec.get("speedup_ci95") or [None, None]
             run.summary.update({f"{prefix}/tau": spec.get("tau"), f"{prefix}/speedup": spec.get("speedup"),
-                                f"{prefix}/tokens_per_s": spec["tokens_per_s"]})
+                                f"{prefix}/speedup_ci95_low": ci[0], f"{prefix}/speedup_ci95_high": ci[1],
+                                f"{prefix}/tokens_per_s": spec["tokens_per_s"],
+                                f"{prefix}/ar_tokens_per_s": m["ar"]["tokens_per_s"]})
             rows = [[int(k[9:]), v] for k, v in spec.items() if k.startswith("alpha_pos")]
             if rows:
                 table = wandb.Table(data=rows, columns=["position", "alpha"])

@@ -20,6 +20,7 @@ from specdistill import methods
 from specdistill.export.target import ExportError, export_target
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.stages.common import ConfigError, check_outputs, section
+from specdistill.tracking import log_folder, wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if ecfg.method != "target" and not (target_dir / "config.json").exists():
         raise ExportError(f"export@{ecfg.method} is checked against the exported target, and {target_dir} is missing: "
                           f"run `dvc repro export@target` first")
-    if ecfg.method == "target":
-        target = load_target(tcfg)
-        export_target(target.model, target.tokenizer, out, target.fingerprint, dtype=DTYPES[ecfg.dtype or tcfg.dtype])
-        log.info("wrote %s (serve it: `vllm serve %s`, or with a draft: export@<method>)", out, out)
-    else:  # the method loads the target only if its export needs it
-        methods.get(ecfg.method, "export", "export.method").export(ecfg, out, target_dir, lambda: load_target(tcfg))
-        log.info("wrote %s (serve it beside the target: serve@%s)", out, ecfg.method)
+    with wandb_run(cfg.get("logger"), job_type="export", name=f"export@{ecfg.method}",
+                   group=cfg.get("experiment_name", "default"), config=cfg) as run_:
+        if ecfg.method == "target":
+            target = load_target(tcfg)
+            export_target(target.model, target.tokenizer, out, target.fingerprint, dtype=DTYPES[ecfg.dtype or tcfg.dtype])
+            log.info("wrote %s (serve it: `vllm serve %s`, or with a draft: export@<method>)", out, out)
+        else:  # the method loads the target only if its export needs it
+            methods.get(ecfg.method, "export", "export.method").export(ecfg, out, target_dir, lambda: load_target(tcfg))
+            log.info("wrote %s (serve it beside the target: serve@%s)", out, ecfg.method)
+        log_folder(run_, out, f"export@{ecfg.method}")
     return {"export": str(out)}

@@ -35,6 +35,7 @@ from specdistill.models.target import (
     target_fingerprint,
 )
 from specdistill.stages.common import check_outputs, environment, section
+from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     this_run = {"shards": len(todo), "tokens": tokens, "seconds": round(elapsed, 2)}
     if engine_run is not None:
         this_run["engine"] = {"name": engine, **engine_run}
+    with wandb_run(cfg.get("logger"), job_type="features", group=cfg.get("experiment_name", "default"),
+                   config=cfg) as run_:
+        run_.summary.update({f"features/{k}": v for k, v in this_run.items() if isinstance(v, int | float)})
     return {**manifest, "this_run": this_run}
 
 

@@ -9,7 +9,6 @@ goes to `metrics/generate.json`, updated after each shard so a killed run's timi
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import tempfile
 import time
@@ -46,6 +45,7 @@ from specdistill.models.target import (
     load_tokenizer,
     target_fingerprint,
 )
+from specdistill.records import read_record, record_path, write_record
 from specdistill.stages.common import check_outputs, environment, section
 from specdistill.tracking import wandb_run
 
@@ -57,7 +57,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     prompts_dir, out = Path(cfg["paths"]["prompts_dir"]), Path(cfg["paths"]["generated_dir"])
     timing_file = Path(cfg["paths"]["metrics_dir"]) / "generate.json"
-    check_outputs(cfg, fingerprinted={"paths.generated_dir": out}, files={"paths.metrics_dir": timing_file})
+    check_outputs(cfg, fingerprinted={"paths.generated_dir": out}, files={"paths.metrics_dir": [timing_file, record_path(timing_file)]})
     splits = {}
     for split in gcfg.splits:
         if not (prompts_dir / split).exists():
@@ -212,7 +212,7 @@ def check_context(splits: dict[str, Any], max_new_tokens: int, context: int | No
 def kept_timing(path: Path, fingerprint: str, out: Path, plan: list[tuple[str, int, range]]) -> dict[str, Any]:
     """Timing of the shards this run keeps: from `metrics/generate.json` when it describes this data, or
     moved out of a shard that an older version wrote it into (so the shard then hashes by content)."""
-    old = json.loads(path.read_text()) if path.exists() else {}
+    old = read_record(path) if path.exists() else {}
     timing = dict(old.get("shards", {})) if old.get("fingerprint") == fingerprint else {}
     for split, idx, _ in plan:
         shard = out / split / shard_name(idx)
@@ -237,7 +237,7 @@ def write_timing(path: Path, fingerprint: str, timing: dict[str, Any], plan: lis
     if this_run is not None:
         metrics["this_run"] = this_run
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, metrics)
+    write_record(path, metrics, {"tokens_per_s": metrics["generation"]["tokens_per_s"]})
     return metrics
 
 

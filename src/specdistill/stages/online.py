@@ -6,7 +6,7 @@ part of HumanEval is served by the online draft (as it stands after the stream) 
 offline draft. `scenario=chat` serves held-out ShareGPT prompts instead. The same stream is also
 served by the frozen draft, so the two acceptance curves share their requests.
 
-Writes `metrics/online_<M>.json`, `plots/online_<M>/{curve,updates}.csv` and the deployed versions
+Writes `metrics/records/online_<M>.json` (its headline: `metrics/online_<M>.json`), `plots/online_<M>/{curve,updates}.csv` and the deployed versions
 `models/online_<M>/v<NNN>-r<requests>/` (safetensors).
 """
 
@@ -21,10 +21,11 @@ from typing import Any
 from specdistill import methods
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.io import atomic_path, write_json
+from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
+from specdistill.records import record_path, write_record
 from specdistill.stages.common import (
     ConfigError,
     check_outputs,
@@ -94,7 +95,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     check_outputs(cfg, names={"online.method": ocfg.method},
                   replaced={"online.method": models_dir / f"online_{ocfg.method}",
                             "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"},
-                  files={"online.method": Path(cfg["paths"].get("metrics_dir", "metrics")) / f"online_{ocfg.method}.json"})
+                  files={"online.method": [f := Path(cfg["paths"].get("metrics_dir", "metrics")) / f"online_{ocfg.method}.json",
+                                           record_path(f)]})
     path = ocfg.draft_path or str(models_dir / ocfg.method)
     if not Path(path).exists():
         raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` or set online.draft_path")
@@ -131,7 +133,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                            "dtype": tcfg.dtype, **environment()}
     write_outputs(metrics, frozen.log, online.log, ocfg.window, Path(cfg["paths"].get("metrics_dir", "metrics")),
                   Path(cfg["paths"].get("plots_dir", "plots")) / name, name)
-    with wandb_run(cfg.get("logger"), job_type=name, group=cfg.get("experiment_name", "default"), config=cfg) as wb:
+    with wandb_run(cfg.get("logger"), job_type="online", name=f"online@{ocfg.method}",
+                   group=cfg.get("experiment_name", "default"), config=cfg) as wb:
         log_wandb(wb, frozen.log, online.log, ocfg.window)
     h = metrics["held_out"]
     log.info("%s: held-out acceptance %.3f online vs %.3f frozen (%+.3f), tau %.2f vs %.2f; %d updates, %.1f s "
@@ -171,7 +174,8 @@ def moving(values: list[float], window: int) -> list[float]:
 
 def write_outputs(metrics: dict[str, Any], frozen: OnlineLog, online: OnlineLog, window: int, metrics_dir: Path,
                   plots: Path, name: str) -> None:
-    write_json(metrics_dir / f"{name}.json", metrics)
+    # the headline: acceptance gained over the frozen draft, on the stream and on the held-out requests
+    write_record(metrics_dir / f"{name}.json", metrics, {f"{part}_gain": metrics[part]["gain"] for part in ("stream", "held_out")})
     f_rates = [r.acceptance_rate for r in frozen.served]
     o_rates = [r.acceptance_rate for r in online.served]
     with atomic_path(plots, is_dir=True) as tmp:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from specdistill.io import atomic_path
+from specdistill.records import read_record
 from specdistill.reporting import figures, settings
 from specdistill.reporting.online import load_online, online_curves, online_tables
 from specdistill.reporting.serving import load_serving, serving_figure, serving_tables
-from specdistill.reporting.tables import formula_check, results_table, time_split, tv_check
+from specdistill.reporting.summary import engine_summary, summary_table
+from specdistill.reporting.tables import auto_depth_table, formula_check, results_table, time_split, tv_check
 from specdistill.reporting.training import (
     alpha_curves,
     curve_label,
@@ -32,10 +33,19 @@ def load_metrics(folder: Path) -> dict[str, dict[str, Any]]:
     """The evaluate stages' metrics: the files with `results` (train_*.json and online_*.json are read by
     reporting.training / .online; generate.json holds the generate stage's timing)."""
     files = [f for f in sorted(folder.glob("*.json")) if not f.stem.startswith(("train_", "online_", "serve_"))]
-    found = {f.stem: m for f in files if "results" in (m := json.loads(f.read_text()))}
+    found = {f.stem: m for f in files if "results" in (m := read_record(f))}
     if not found:
         raise FileNotFoundError(f"no metrics in {folder}: run the evaluate stages first (`dvc repro`)")
     return found
+
+
+def log_figures(run_: Any, folder: Path) -> None:
+    """The report's PNGs as W&B images (a run with logging off has no directory and logs nothing)."""
+    if run_.dir is None:
+        return
+    import wandb
+
+    run_.log({f"report/{png.stem}": wandb.Image(str(png)) for png in sorted(folder.glob("*.png"))})
 
 
 def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[str, Any],
@@ -68,7 +78,8 @@ def machine(settings: dict[str, Any]) -> str:
 
 
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
-           online: list[str] | None = None, serving: list[str] | None = None) -> str:
+           online: list[str] | None = None, serving: list[str] | None = None,
+           serve: dict[str, dict[str, Any]] | None = None) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     # metrics without a split were written before the stratified order: each set's first rows
@@ -85,7 +96,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "at temperature 0 every method emits the target's greedy chain, but in bfloat16 a verification forward over",
              "several positions rounds differently from a one-token step, so where the top two logits tie to within",
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
-             "float32 none happens); tokens/s, not wall time, is therefore the ratio.", ""]
+             "float32 none happens); tokens/s, not wall time, is therefore the ratio.", "",
+             *summary_table(all_metrics), *engine_summary(serve or {}), ""]
     machines = sorted({machine(m["settings"]) for m in all_metrics.values()})
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
         lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
@@ -99,14 +111,16 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
                   "report.**", ""]
     datasets = sorted({d for m in all_metrics.values() for d in m["results"]})
     temps = sorted({t for m in all_metrics.values() for d in m["results"].values() for t in d})
+    lines += ["## Every run, per dataset and temperature", ""]
     for dataset in datasets:
         for temp in temps:
-            lines += [f"## {dataset}, temperature {temp[1:]}", "", *results_table(all_metrics, dataset, temp), ""]
+            lines += [f"### {dataset}, temperature {temp[1:]}", "", *results_table(all_metrics, dataset, temp), ""]
     lines += ["## Where the time goes", "", *time_split(all_metrics), ""]
+    lines += auto_depth_table(all_metrics)
     lines += training or []
     lines += online or []
     lines += serving or []
-    lines += ["## The background text's eq. 2 against measurement", "",
+    lines += ["## Eq. 2 (docs/definitions.md) against measurement", "",
               "Expected tokens per target forward from measured acceptance: with the measured alpha_k chained, with",
               "alpha_pos1 alone (the truncated geometric sum), and its K → ∞ limit 1/(1-alpha), beside measured tau.",
               "Acceptance falls with position for a weak draft, so a single alpha overstates tau.", "",
@@ -132,10 +146,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     online = load_online(metrics_dir, plots_dir)
     serve = load_serving(metrics_dir)
     experiment = cfg.get("experiment_name", "default")
-    with wandb_run(cfg.get("logger"), job_type="report", group=experiment, config=cfg) as run_:
+    with wandb_run(cfg.get("logger"), job_type="report", name=f"report@{experiment}", group=experiment, config=cfg) as run_:
         with atomic_path(out, is_dir=True) as tmp:
             (tmp / "README.md").write_text(render(all_metrics, experiment, render_training(runs, sweep, curves, all_metrics),
-                                                  online_tables(online), serving_tables(serve)))
+                                                  online_tables(online), serving_tables(serve), serve))
             if serve:
                 serving_figure(serve, tmp / "serve_speedup.png")
             if online:
@@ -148,5 +162,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         for name, dataset, temp, r in settings(all_metrics):
             run_.summary.update({f"report/{name}/{dataset}/{temp}/{k}": v for k, v in r["spec"].items()
                                  if isinstance(v, int | float)})
+        log_figures(run_, out)
     log.info("wrote %s", out / "README.md")
     return {"reports": str(out)}

@@ -34,13 +34,16 @@ from specdistill.engine.serving import (
     summarise,
 )
 from specdistill.export.target import ExportError, exported_fingerprint
-from specdistill.io import atomic_path, write_json
+from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target, load_tokenizer
+from specdistill.records import headline_of_serving, record_path, write_record
 from specdistill.stages.common import ConfigError, check_outputs, environment, section
 from specdistill.stages.evaluate import chat_encoder, load_conversations
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
+
+IDLE_ENV = "SPECDISTILL_SKIP_IDLE_DRAFTER"  # engine-plugin/: no drafter forward on the schedule's K = 0 steps
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +52,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     paths = cfg.get("paths") or {}
     name = f"serve_{scfg.method}"
     metrics_file, plots = Path(paths.get("metrics_dir", "metrics")) / f"{name}.json", Path(paths.get("plots_dir", "plots")) / name
-    check_outputs(cfg, replaced={"serve.method": plots}, files={"serve.method": metrics_file})
+    check_outputs(cfg, replaced={"serve.method": plots},
+                  files={"serve.method": [metrics_file, record_path(metrics_file)]})
     target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / scfg.method
     method = methods.get(scfg.method, "serve", "serve.method")
     drafted = method.export is not None  # ngram: nothing exported
@@ -85,8 +89,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     deploy = deploy_schedule(scfg, summary["chosen_k"], str(draft_dir) if drafted else None)
     if deploy is not None and len(scfg.concurrency) > 1:  # the schedule as deployed: one more start, every load
         log.info("engine: the chosen schedule %s", deploy["num_speculative_tokens_per_batch_size"])
+        idle = {IDLE_ENV: "1"} if scfg.skip_idle_drafter else None
         results["scheduled"] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, deploy, max_model_len),
-                                          **engine_kw)
+                                          **engine_kw, env=idle)
         summary = summarise(scfg, results)
     if summary["baseline_drift"]:
         log.warning("serve@%s: the engine alone ran more than %.0f%% apart before and after the K starts in %d run(s) "
@@ -105,10 +110,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                             "prompts": {ds: len(p) for ds, p in prompts.items()}},
                "cold_start_s": {s: round(r["cold_start_s"], 1) for s, r in results.items()},
                **summary, "agreement": agreement}
-    write_json(metrics_file, metrics)
+    write_record(metrics_file, metrics, headline_of_serving(metrics))
     write_plots(plots, summary, agreement)
-    with wandb_run(cfg.get("logger"), job_type=name, group=cfg.get("experiment_name", "default"), config=cfg,
-                   name=f"{name}-{cfg.get('experiment_name', 'default')}") as wb:
+    with wandb_run(cfg.get("logger"), job_type="serve", name=f"serve@{scfg.method}",
+                   group=cfg.get("experiment_name", "default"), config=cfg) as wb:
         for c, chosen in summary["chosen_k"].items():
             wb.summary.update({f"serve/{c}/k": chosen["k"], f"serve/{c}/speedup": chosen["speedup_geomean"]})
     for c, chosen in summary["chosen_k"].items():

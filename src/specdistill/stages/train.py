@@ -27,14 +27,16 @@ from specdistill import methods
 from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
 from specdistill.data.features import check_store
 from specdistill.data.generation import stop_ids
-from specdistill.io import atomic_path, config_hash, has_stamp, write_json
+from specdistill.io import atomic_path, config_hash, has_stamp
 from specdistill.models.draft_lm import (
     DraftSize,
 )
 from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.outputs import check_replaceable
+from specdistill.records import headline_of_training, record_path, write_record
 from specdistill.stages.common import ConfigError, check_outputs, environment, section
+from specdistill.tracking import log_folder
 from specdistill.training.losses import LossError, build_loss
 
 log = logging.getLogger(__name__)
@@ -84,12 +86,49 @@ def _hydra_job_dir() -> Path | None:
     return None
 
 
+def is_sweep(value: str) -> bool:
+    """A command-line value Hydra sweeps: a comma outside brackets and quotes, or range/choice/glob/interval."""
+    if value.startswith(("range(", "choice(", "glob(", "interval(")):
+        return True
+    depth, quote = 0, None
+    for ch in value:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return True
+    return False
+
+
+def sweep_job_name(method: str) -> str:
+    """A multirun job's name, made of its value of every swept override (`draft-distill.optimizer.lr=1e-4`), so
+    that no two jobs of a sweep share metrics or a W&B run; the job number where nothing was swept by override.
+    The swept keys come from the sweep's own record (`multirun.yaml`, written before any job starts, whichever
+    launcher runs them)."""
+    import yaml
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    record = Path(hc.sweep.dir) / "multirun.yaml"
+    given = yaml.safe_load(record.read_text())["hydra"]["overrides"]["task"] if record.exists() else []
+    key = lambda o: o.split("=", 1)[0].lstrip("+~")  # noqa: E731
+    swept = {key(o) for o in given if "=" in o and is_sweep(o.split("=", 1)[1])}
+    parts = [o.lstrip("+~").replace("/", "_") for o in hc.overrides.task if key(o) in swept]
+    return f"{method}-{'-'.join(parts)}" if parts else f"{method}-job{hc.job.num}"
+
+
 def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str, output: str | None = None) -> Plan:
     paths = cfg["paths"]
     name = f"{method}-{draft}-{loss}"
     method = output or method
     job = _hydra_job_dir()
     if job is not None:
+        name = sweep_job_name(method)
         return Plan(job / "model", job / "checkpoints", Path(paths.get("metrics_dir", "metrics")) / "sweep" / f"{name}.json",
                     None, name)
     return Plan(Path(paths.get("models_dir", "models")) / method, Path(paths.get("checkpoints_dir", "checkpoints")) / method,
@@ -221,7 +260,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     check_outputs(cfg, replaced={"distill.output": plan.model_dir,
                                  **({"paths.plots_dir": plan.plots_dir} if plan.plots_dir else {})},
                   fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir},
-                  files={"paths.metrics_dir": plan.metrics_file})
+                  files={"paths.metrics_dir": [plan.metrics_file, record_path(plan.metrics_file)]})
     generated = Path(cfg["paths"]["generated_dir"])
     data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
 
@@ -285,13 +324,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         result["trees"] = module.trees()
     if trainer.is_global_zero:
         built.save(plan.model_dir, result["settings"])
-        write_json(plan.metrics_file, result)
+        write_record(plan.metrics_file, result, headline_of_training(result))
         if plan.plots_dir is not None:
             write_curve(sorted(history.values(), key=lambda r: r["step"]), plan.plots_dir)
         log.info("%s: val/alpha %.3f, alpha at T=0 %.3f, tau_sim(K=%d) at T=0 %.2f after %d steps -> %s", plan.run_name,
                  final.get("val/alpha", 0), final.get("val/alpha_t0", 0), dist.tau_k, final.get("val/tau_sim_t0", 0),
                  trainer.global_step, plan.model_dir)
     if logger:
+        if trainer.is_global_zero:
+            log_folder(logger.experiment, plan.model_dir, f"train@{plan.run_name}")
         logger.experiment.finish()  # a multirun's next job gets its own run
     return result
 

@@ -1,4 +1,4 @@
-"""Acceptance of a draft measured on validation data, from the two distributions (DESIGN.md, Metrics).
+"""Acceptance of a draft measured on validation data, from the two distributions (docs/definitions.md).
 
 At every response position t, with p the target's and q the draft's next-token distribution:
 alpha_t = sum_v min(p, q) (temperature 1; exact expected acceptance of one drafted token) and, at

@@ -1,0 +1,74 @@
+"""The report's first table: one row per method, its best evaluated setting, every dataset and temperature side by
+side; and the engine's deployed speed-up per method beside it. The detail tables below it list every run."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from specdistill.reporting.tables import draft_label, speedup_cell
+
+
+def family(metrics: dict[str, Any]) -> str:
+    """What a user picks between: the method, the EAGLE variant, trained or not, and a lookup branch added."""
+    s, method = metrics["settings"], metrics["method"]
+    if method == "eagle":
+        name = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}.get(s.get("eagle_variant"), f"EAGLE ({s.get('eagle_variant')})")
+    else:
+        name = {"draft": "separate draft", "medusa": "Medusa", "dflash": "DFlash", "lookup": "prompt lookup"}.get(
+            method, method)
+    if method == "draft" and not s.get("draft_training"):
+        name += " (untrained)"
+    if s.get("lookup_branch", s.get("eagle_lookup")):
+        name += " + lookup branch"
+    return name
+
+
+def geomean_speedup(metrics: dict[str, Any]) -> float:
+    """The geometric mean of a run's speculative speed-ups over every dataset and temperature it measured."""
+    xs = [m["spec"]["speedup"] for temps in metrics["results"].values() for m in temps.values()
+          if m.get("spec", {}).get("speedup")]
+    return statistics.geometric_mean(xs) if xs else 0.0
+
+
+def best_per_method(all_metrics: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """{family: the evaluated run with the best geomean speed-up}: the one setting a user would deploy."""
+    best: dict[str, str] = {}
+    for name, m in sorted(all_metrics.items()):
+        f = family(m)
+        if f not in best or geomean_speedup(m) > geomean_speedup(all_metrics[best[f]]):
+            best[f] = name
+    return dict(sorted(best.items(), key=lambda kv: -geomean_speedup(all_metrics[kv[1]])))
+
+
+def summary_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
+    cols = sorted({(d, t) for m in all_metrics.values() for d, temps in m["results"].items() for t in temps})
+    lines = ["## Summary: the best setting of each method", "",
+             "One row per method: of its evaluated settings, the one with the best geometric-mean speed-up over the",
+             "datasets and temperatures. Each cell: tau (tokens per target forward) and the speed-up over AR in the",
+             "same run, with its 95% interval over prompts. Every run is in the tables below.", "",
+             "| method | setting (run) | " + " | ".join(f"{d}, T={t[1:]}" for d, t in cols) + " | geomean speed-up |",
+             "|---|---|" + "---|" * (len(cols) + 1)]
+    for fam, name in best_per_method(all_metrics).items():
+        m = all_metrics[name]
+        cells = []
+        for d, t in cols:
+            s = m["results"].get(d, {}).get(t, {}).get("spec")
+            cells.append(f"tau {s['tau']:.2f}, {speedup_cell(s)}" if s and "tau" in s else "–")
+        lines.append(f"| {fam} | {draft_label(m)[0]} (`{name}`) | " + " | ".join(cells) +
+                     f" | {geomean_speedup(m):.2f}x |")
+    return lines
+
+
+def engine_summary(serve: dict[str, dict[str, Any]]) -> list[str]:
+    """The engine's deployed schedule per method: the speed-up over the engine alone a user serving it gets."""
+    deployed = {method: m["deploy"] for method, m in serve.items() if (m.get("deploy") or {}).get("speedup_geomean")}
+    if not deployed:
+        return []
+    conc = sorted({c for d in deployed.values() for c in d["speedup_geomean"]}, key=lambda c: int(c[1:]))
+    lines = ["", "In the engine (vLLM, the K schedule chosen per load and served; details in \"In the engine\"):", "",
+             "| method | " + " | ".join(f"concurrency {c[1:]}" for c in conc) + " |", "|---|" + "---|" * len(conc)]
+    for method, d in deployed.items():
+        lines.append(f"| {method} | " + " | ".join(
+            f"{d['speedup_geomean'][c]:.2f}x" if c in d["speedup_geomean"] else "–" for c in conc) + " |")
+    return lines

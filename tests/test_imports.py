@@ -1,0 +1,55 @@
+"""The package's import graph: no module reaches itself through its imports (top-level or inside functions)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """{module: the package modules it imports anywhere in its body} (`from a import b` counts a.b when a.b is a
+    module, else a)."""
+    mods = {module_name(p): p for p in (SRC / "specdistill").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        out = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    out.add(full if full in mods else base)
+        graph[name] = {m for m in out if m in mods and m != name}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    graph = imports()
+    assert "specdistill.data.features" in graph and "specdistill.stages.train" in graph
+    cycles = []
+    for start in graph:  # depth-first from each module: a path back to it is a circle
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join((*path, start)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, (*path, nxt)))
+    # a package's __init__ importing its own modules is how a registry registers them: not a circle unless a
+    # module imports its package back
+    assert not cycles, "\n".join(sorted(set(cycles))[:20])
