@@ -229,8 +229,13 @@ def test_the_summary_keeps_the_best_setting_of_each_method_and_the_engines_deplo
     for name, m in {"eagle": slow, "eagle_k4": fast, "eagle_lookup": union,
                     "lookup": metrics("lookup", [0.5, 0.5], 1.4)}.items():
         (tmp_path / f"metrics/{name}.json").write_text(json.dumps(m))
-    serve = {"settings": {"k": [1]}, "results": {}, "chosen_k": {},
-             "deploy": {"speedup_geomean": {"c1": 1.12, "c16": 0.91}}}
+    cell = {"tau": 1.3, "alpha_pos1": 0.3, "speedup": 1.0, "tokens_per_s": 30.0, "latency_p50_s": 1.0}
+    ar = {"tokens_per_s": 30.0, "latency_p50_s": 1.0}
+    serve = {"settings": {"k": [1, 3]}, "results": {"mtbench": {"T0.0": {c: {"ar": ar, "k1": cell, "k3": cell}
+                                                                         for c in ("c1", "c16")}}},
+             "chosen_k": {"c1": {"k": 1, "speedup_geomean": 1.12},
+                                                                  "c16": {"k": 3, "speedup_geomean": 0.91}},
+             "deploy": {"speedup_geomean": {"c1": 1.10}}}
     (tmp_path / "metrics/serve_eagle.json").write_text(json.dumps(serve))
     text = render(tmp_path, monkeypatch)
     summary = text[text.index("## Summary"):text.index("## Every run")]
@@ -239,7 +244,8 @@ def test_the_summary_keeps_the_best_setting_of_each_method_and_the_engines_deplo
     # one row per method, best geomean first; the union is its own method; the slower EAGLE-3 setting is not shown
     assert [r.split(" | ")[0] for r in rows] == ["| EAGLE-3", "| EAGLE-3 + lookup branch", "| prompt lookup"]
     assert "(`eagle_k4`)" in rows[0] and "tau 2.00, 1.90x" in rows[0] and "`eagle`)" not in summary
-    assert "| eagle | 1.12x | 0.91x |" in summary  # the engine's deployed schedule, concurrency 1 and 16
+    # the engine: the deployed schedule's speed-up where one was served, else the best K's
+    assert "| eagle | 1.10x deployed | 0.91x at K=3 (none deployed) |" in summary
     assert "### mtbench, temperature 0" in text  # every run stays in the detail tables
 
 
@@ -280,7 +286,7 @@ def test_the_engine_section_gives_each_runs_step_cost_and_the_deployed_schedule(
     assert "| eagle | 16 | off (best K=1: 0.50x) | 1.00x | 0.62x | 0.50x | 0.40x |" in engine
     # the step cost is tau / speed-up: 1.35 / 1.08 = 1.25 plain steps at c1, 1.35 / 0.50 = 2.70 at c16
     assert "| 1.08x | 1.25 |" in engine and "| 0.50x | 2.70 |" in engine
-    assert "| eagle | 1.05x | 0.62x |" in text[:text.index("## Every run")]  # and the summary's engine row
+    assert "| eagle | 1.05x deployed | 0.62x deployed |" in text[:text.index("## Every run")]  # the summary's row
 
 
 def test_an_auto_depth_run_shows_its_prediction_beside_the_measurement(tmp_path, monkeypatch):

@@ -36,3 +36,19 @@ def test_disabled_logger_is_a_no_op(tmp_path):
     with wandb_run({"enabled": False}, job_type="x", group="g", config={}) as run:
         run.log({"a": 1})
     assert not (tmp_path / "wandb").exists()
+
+
+def test_a_run_is_named_after_its_stage_and_logs_a_folder_by_reference(tmp_path, monkeypatch):
+    from specdistill.tracking import log_folder
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    model = tmp_path / "models/eagle"
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"x" * 64)
+    with wandb_run(cfg(tmp_path), job_type="export", group="smoke", config={}) as run:
+        assert run.name == "export"  # the stage, where no item name is given
+        log_folder(run, model, "export@eagle")
+    with wandb_run(cfg(tmp_path), job_type="evaluate", name="evaluate@eagle", group="smoke", config={}) as run:
+        assert run.name == "evaluate@eagle" and run.job_type == "evaluate"
+    with wandb_run({"enabled": False}, job_type="x", group="g", config={}) as off:
+        log_folder(off, model, "x")  # logging off: nothing to log to, no error

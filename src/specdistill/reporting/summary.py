@@ -61,14 +61,17 @@ def summary_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def engine_summary(serve: dict[str, dict[str, Any]]) -> list[str]:
-    """The engine's deployed schedule per method: the speed-up over the engine alone a user serving it gets."""
-    deployed = {method: m["deploy"] for method, m in serve.items() if (m.get("deploy") or {}).get("speedup_geomean")}
-    if not deployed:
+    """Per method and load, the speed-up over the engine alone: the deployed schedule's where one was served,
+    else the best single K's (no K reached the deployment threshold, so a user would serve without it)."""
+    if not serve:
         return []
-    conc = sorted({c for d in deployed.values() for c in d["speedup_geomean"]}, key=lambda c: int(c[1:]))
-    lines = ["", "In the engine (vLLM, the K schedule chosen per load and served; details in \"In the engine\"):", "",
+    conc = sorted({c for m in serve.values() for c in m["chosen_k"]}, key=lambda c: int(c[1:]))
+    lines = ["", "In the engine (vLLM; the geomean speed-up over the engine alone; details in \"In the engine\"):", "",
              "| method | " + " | ".join(f"concurrency {c[1:]}" for c in conc) + " |", "|---|" + "---|" * len(conc)]
-    for method, d in deployed.items():
-        lines.append(f"| {method} | " + " | ".join(
-            f"{d['speedup_geomean'][c]:.2f}x" if c in d["speedup_geomean"] else "–" for c in conc) + " |")
+    for method, m in serve.items():
+        deployed = (m.get("deploy") or {}).get("speedup_geomean") or {}
+        cells = [f"{deployed[c]:.2f}x deployed" if c in deployed else
+                 f"{m['chosen_k'][c]['speedup_geomean']:.2f}x at K={m['chosen_k'][c]['k']} (none deployed)"
+                 if c in m["chosen_k"] else "–" for c in conc]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines

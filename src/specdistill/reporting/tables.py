@@ -37,7 +37,7 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
         t = s.get("eagle_tree") or {}
         shape = {"dynamic": f"dynamic tree {t.get('total_tokens')} nodes", "chain": f"chain K={t.get('k')}"}.get(
             t.get("shape"), f"static tree {t.get('branching')}")
-        return f"{s.get('eagle_variant')}, {shape}{lookup_branch(s)} ({s.get('draft_vocab')} tokens)", data
+        return f"{s.get('eagle_variant')}, {shape}{lookup_branch(s)}{depth_cap(s)} ({s.get('draft_vocab')} tokens)", data
     if metrics["method"] == "medusa":
         data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
         return (f"Medusa {s.get('medusa_heads')} heads, {s.get('tree_nodes')}-node tree{lookup_branch(s)} "
@@ -50,6 +50,14 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
         vocab = s.get("draft_vocab")
         return f"{trained['draft_size']}{lookup_branch(s)} ({vocab} tokens)", f"{trained['loss']} on {trained['data']}"
     return f"{s.get('draft') or 'draft'}{lookup_branch(s)}", "untrained"
+
+
+def depth_cap(settings: dict[str, Any]) -> str:
+    """', depth 2 (auto)' for a run whose draft was capped (eval.depth), chosen for the machine or given."""
+    auto = settings.get("auto_depth")
+    if auto:
+        return f", depth {auto['depth']} (auto)"
+    return f", depth {settings['depth']}" if settings.get("depth") is not None else ""
 
 
 def lookup_branch(settings: dict[str, Any]) -> str:
