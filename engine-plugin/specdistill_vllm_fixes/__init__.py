@@ -29,8 +29,9 @@ upstream runs its own code.
 4. An option, not a fix: `SPECDISTILL_SKIP_IDLE_DRAFTER=1` in the engine's environment skips the drafter's forward
    on the steps whose batch-size schedule asks for K = 0. vLLM 0.32 still runs it there (`sample_tokens` calls
    `propose_draft_token_ids` whatever K is; `propose` returns empty only after the forward, "to keep the drafter
-   KV cache in sync"), so on this CPU a schedule that switches EAGLE-3 off at high load still served 0.64x the
-   engine alone. Skipped, those steps cost what the engine alone costs, but the drafter's KV cache misses the
+   KV cache in sync"). A schedule that switched EAGLE-3 off at high load served 0.64x the engine alone in the
+   serve stage (mixed temperatures, a drifting VM); benchmarks/engine_idle_drafter.py later found the idle
+   drafter costing 0-8% at T = 0 and the skip gaining nothing measurable, so the option is off by default. Skipped, those steps cost what the engine alone costs, but the drafter's KV cache misses the
    tokens of those steps: when the schedule turns drafting back on for the same request (its batch shrank), the
    draft reads stale keys there and is accepted less. Outputs stay the target's (every draft is verified).
 
