@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from engine_env import prompts  # noqa: E402
 
-from specdistill.engine.client import run_engine  # noqa: E402
+from specdistill.engine.client import SKIP_IDLE_DRAFTER, run_engine  # noqa: E402
 from specdistill.stages.common import environment  # noqa: E402
 
-IDLE = {"SPECDISTILL_SKIP_IDLE_DRAFTER": "1"}
+IDLE = {SKIP_IDLE_DRAFTER: "1"}
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.engine.client import engine_python, run_engine
+from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine
 from specdistill.engine.serving import engine_counts
 from specdistill.export.eagle3 import export_eagle3
 from specdistill.export.medusa import export_medusa
@@ -304,7 +304,7 @@ def test_the_idle_drafter_is_skipped_where_the_schedule_drafts_nothing(served, t
     got = {}
     for skip in (False, True):
         log = tmp_path / f"engine-{skip}.log"
-        res = run_engine(job, log_path=log, env={"SPECDISTILL_SKIP_IDLE_DRAFTER": "1"} if skip else None)
+        res = run_engine(job, log_path=log, env={SKIP_IDLE_DRAFTER: "1"} if skip else None)
         for run in res["runs"]:
             assert [r["token_ids"] for r in run["requests"]] == want, (skip, run["name"])
         assert ("run without the drafter's forward" in log.read_text()) == skip

@@ -28,6 +28,11 @@ def record_path(metrics_file: Path) -> Path:
     return metrics_file.parent / RECORDS / metrics_file.name
 
 
+def metrics_files(metrics_file: Path) -> list[Path]:
+    """The two files a stage writes for one metrics file: its headline and its record (for `check_outputs`)."""
+    return [metrics_file, record_path(metrics_file)]
+
+
 def write_record(metrics_file: Path, record: dict[str, Any], headline: dict[str, Any]) -> None:
     """The record, then its headline (each replaced whole): a reader never sees a headline without its record."""
     write_json(record_path(metrics_file), record)

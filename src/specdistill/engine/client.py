@@ -131,6 +131,10 @@ class EngineProcess:
         self._tmp.cleanup()
 
 
+# engine-plugin/ (SKIP_IDLE_DRAFTER there): no drafter forward on a batch-size schedule's K = 0 steps
+SKIP_IDLE_DRAFTER = "SPECDISTILL_SKIP_IDLE_DRAFTER"
+
+
 def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: str | None = "0-1", iomp: bool = True,
                timeout_s: float = 3600, log_path: str | Path | None = None,
                env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """`eval.depth=auto`: the draft depth that maximises expected tokens/s on this machine, from measured costs.
 
-A speed-up is tau over what a round costs in plain decode steps, and both halves depend on the machine: on a CPU
-whose multi-token forwards are cheap (native bf16, AMX) verifying 8 nodes costs about one plain step, on one
-without (AVX2, bf16 emulated) it costs several. So instead of a fixed K, at the start of an evaluation:
+A speed-up is tau over what a round costs in plain decode steps, and both halves depend on the machine: verifying
+8 nodes cost 1.55x a plain step on this project's 2-core Zen 4 in bf16 with both threads, 0.93x with one thread
+beside a busy core, and 4.6x on an AVX2 machine that emulates bf16 (docs/findings.md). So instead of a fixed K,
+at the start of an evaluation:
 
 1. **Verification cost** `t_v(n)`: seconds the target takes to score a tree of n nodes after the root (n = 0 is
    a plain decode step), timed with the decoder's own verifier, as `benchmarks/verify_cost.py` does.
@@ -101,11 +102,10 @@ class Pilot:
             self.nodes.append(r.draft_len)
 
 
-def pilot(model: Any, proposer: Any, prompts: list[list[int]], depth: int, temperatures: list[float],
-          max_new_tokens: int, stops: set[int], capacity: int, seed: int) -> Pilot:
+def pilot(verifier: TargetVerifier, proposer: Any, prompts: list[list[int]], depth: int, temperatures: list[float],
+          max_new_tokens: int, stops: set[int], seed: int) -> Pilot:
     """The proposer capped at `depth` over the pilot prompts at every temperature."""
     capped = DepthCapped(proposer, depth)
-    verifier = TargetVerifier(model, capacity, capped.feature_layers)
     out = Pilot()
     for temp in temperatures:
         sampling = SamplingConfig(temperature=temp)
@@ -147,10 +147,10 @@ def choose_depth(model: Any, proposer: Any, depth: int, prompts: list[list[int]]
     """Measure, predict, pick: the depth with the highest predicted speed-up, with everything it came from."""
     t0 = time.perf_counter()
     vocab = model.get_output_embeddings().weight.shape[0]
-    verifier = TargetVerifier(model, capacity, ())
-    deep = pilot(model, proposer, prompts, depth, temperatures, max_new_tokens, stops, capacity, seed)
-    shallow = deep if depth == 1 else pilot(model, proposer, prompts, 1, temperatures, max_new_tokens, stops,
-                                            capacity, seed)
+    # one KV cache for the pilots and the timing (each prefills its own context)
+    verifier = TargetVerifier(model, capacity, getattr(proposer, "feature_layers", ()))
+    deep = pilot(verifier, proposer, prompts, depth, temperatures, max_new_tokens, stops, seed)
+    shallow = deep if depth == 1 else pilot(verifier, proposer, prompts, 1, temperatures, max_new_tokens, stops, seed)
     most = max(deep.nodes, default=depth)
     nodes = sorted({0, 1, *[n for n in (2, 4, 8, 16, 32) if n < most], most})
     verify_s = verify_seconds(verifier, prompts[0], nodes, vocab)

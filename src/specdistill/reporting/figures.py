@@ -56,14 +56,13 @@ def grid(keys: list[tuple[str, str]], width: float = 4.2, height: float = 3.2, s
 
 def legend_beside(fig: Any, axes: dict, out: Path, title: str) -> None:
     """One legend for the grid, to the right of it (the runs are the same in every panel), then the PNG."""
-    handles, labels = {}, {}
+    handles: dict[str, Any] = {}  # label -> its first handle
     for ax in axes.values():
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(lab, h)
-            labels[lab] = lab
     fig.suptitle(title)
     if handles:
-        fig.legend(list(handles.values()), list(labels), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+        fig.legend(list(handles.values()), list(handles), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -24,7 +24,7 @@ from specdistill.evaluation.autotune import DepthCapped, choose_depth
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
-from specdistill.records import headline_of_evaluation, record_path, write_record
+from specdistill.records import headline_of_evaluation, metrics_files, write_record
 from specdistill.stages.common import ConfigError, check_outputs, environment, load_prompts, section
 from specdistill.tracking import wandb_run
 
@@ -156,7 +156,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     metrics_file = Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"
     check_outputs(cfg, names={"eval.name": name},
                   replaced={"eval.name": Path((cfg.get("paths") or {}).get("plots_dir", "plots")) / name},
-                  files={"eval.name": [metrics_file, record_path(metrics_file)]})
+                  files={"eval.name": metrics_files(metrics_file)})
     # the prompts first: a missing split or an overlapping dev set fails before the target loads
     data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
             for name in ecfg.datasets}

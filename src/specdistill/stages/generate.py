@@ -45,7 +45,7 @@ from specdistill.models.target import (
     load_tokenizer,
     target_fingerprint,
 )
-from specdistill.records import read_record, record_path, write_record
+from specdistill.records import metrics_files, read_record, write_record
 from specdistill.stages.common import check_outputs, environment, section
 from specdistill.tracking import wandb_run
 
@@ -57,7 +57,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     prompts_dir, out = Path(cfg["paths"]["prompts_dir"]), Path(cfg["paths"]["generated_dir"])
     timing_file = Path(cfg["paths"]["metrics_dir"]) / "generate.json"
-    check_outputs(cfg, fingerprinted={"paths.generated_dir": out}, files={"paths.metrics_dir": [timing_file, record_path(timing_file)]})
+    check_outputs(cfg, fingerprinted={"paths.generated_dir": out}, files={"paths.metrics_dir": metrics_files(timing_file)})
     splits = {}
     for split in gcfg.splits:
         if not (prompts_dir / split).exists():

@@ -25,7 +25,7 @@ from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
-from specdistill.records import record_path, write_record
+from specdistill.records import metrics_files, write_record
 from specdistill.stages.common import (
     ConfigError,
     check_outputs,
@@ -95,8 +95,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     check_outputs(cfg, names={"online.method": ocfg.method},
                   replaced={"online.method": models_dir / f"online_{ocfg.method}",
                             "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"},
-                  files={"online.method": [f := Path(cfg["paths"].get("metrics_dir", "metrics")) / f"online_{ocfg.method}.json",
-                                           record_path(f)]})
+                  files={"online.method": metrics_files(Path(cfg["paths"].get("metrics_dir", "metrics")) / f"online_{ocfg.method}.json")})
     path = ocfg.draft_path or str(models_dir / ocfg.method)
     if not Path(path).exists():
         raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` or set online.draft_path")

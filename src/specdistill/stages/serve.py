@@ -19,7 +19,7 @@ from typing import Any
 
 from specdistill import methods
 from specdistill.data.generation import stop_ids
-from specdistill.engine.client import engine_python, run_engine
+from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine
 from specdistill.engine.serving import (
     AR_LAST,
     MAX_DRIFT,
@@ -36,14 +36,12 @@ from specdistill.engine.serving import (
 from specdistill.export.target import ExportError, exported_fingerprint
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target, load_tokenizer
-from specdistill.records import headline_of_serving, record_path, write_record
+from specdistill.records import headline_of_serving, metrics_files, write_record
 from specdistill.stages.common import ConfigError, check_outputs, environment, section
 from specdistill.stages.evaluate import chat_encoder, load_conversations
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
-
-IDLE_ENV = "SPECDISTILL_SKIP_IDLE_DRAFTER"  # engine-plugin/: no drafter forward on the schedule's K = 0 steps
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +51,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     name = f"serve_{scfg.method}"
     metrics_file, plots = Path(paths.get("metrics_dir", "metrics")) / f"{name}.json", Path(paths.get("plots_dir", "plots")) / name
     check_outputs(cfg, replaced={"serve.method": plots},
-                  files={"serve.method": [metrics_file, record_path(metrics_file)]})
+                  files={"serve.method": metrics_files(metrics_file)})
     target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / scfg.method
     method = methods.get(scfg.method, "serve", "serve.method")
     drafted = method.export is not None  # ngram: nothing exported
@@ -89,7 +87,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     deploy = deploy_schedule(scfg, summary["chosen_k"], str(draft_dir) if drafted else None)
     if deploy is not None and len(scfg.concurrency) > 1:  # the schedule as deployed: one more start, every load
         log.info("engine: the chosen schedule %s", deploy["num_speculative_tokens_per_batch_size"])
-        idle = {IDLE_ENV: "1"} if scfg.skip_idle_drafter else None
+        idle = {SKIP_IDLE_DRAFTER: "1"} if scfg.skip_idle_drafter else None
         results["scheduled"] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, deploy, max_model_len),
                                           **engine_kw, env=idle)
         summary = summarise(scfg, results)

@@ -34,7 +34,7 @@ from specdistill.models.draft_lm import (
 from specdistill.models.heads_io import read_settings
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.outputs import check_replaceable
-from specdistill.records import headline_of_training, record_path, write_record
+from specdistill.records import headline_of_training, metrics_files, write_record
 from specdistill.stages.common import ConfigError, check_outputs, environment, section
 from specdistill.tracking import log_folder
 from specdistill.training.losses import LossError, build_loss
@@ -86,25 +86,6 @@ def _hydra_job_dir() -> Path | None:
     return None
 
 
-def is_sweep(value: str) -> bool:
-    """A command-line value Hydra sweeps: a comma outside brackets and quotes, or range/choice/glob/interval."""
-    if value.startswith(("range(", "choice(", "glob(", "interval(")):
-        return True
-    depth, quote = 0, None
-    for ch in value:
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            return True
-    return False
-
-
 def sweep_job_name(method: str) -> str:
     """A multirun job's name, made of its value of every swept override (`draft-distill.optimizer.lr=1e-4`), so
     that no two jobs of a sweep share metrics or a W&B run; the job number where nothing was swept by override.
@@ -112,13 +93,15 @@ def sweep_job_name(method: str) -> str:
     launcher runs them)."""
     import yaml
     from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     hc = HydraConfig.get()
     record = Path(hc.sweep.dir) / "multirun.yaml"
     given = yaml.safe_load(record.read_text())["hydra"]["overrides"]["task"] if record.exists() else []
-    key = lambda o: o.split("=", 1)[0].lstrip("+~")  # noqa: E731
-    swept = {key(o) for o in given if "=" in o and is_sweep(o.split("=", 1)[1])}
-    parts = [o.lstrip("+~").replace("/", "_") for o in hc.overrides.task if key(o) in swept]
+    parser = OverridesParser.create()
+    swept = {o.key_or_group for o in parser.parse_overrides(given) if o.is_sweep_override()}
+    parts = [f"{o.key_or_group}={o.value()}".replace("/", "_") for o in parser.parse_overrides(list(hc.overrides.task))
+             if o.key_or_group in swept]
     return f"{method}-{'-'.join(parts)}" if parts else f"{method}-job{hc.job.num}"
 
 
@@ -260,7 +243,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     check_outputs(cfg, replaced={"distill.output": plan.model_dir,
                                  **({"paths.plots_dir": plan.plots_dir} if plan.plots_dir else {})},
                   fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir},
-                  files={"paths.metrics_dir": [plan.metrics_file, record_path(plan.metrics_file)]})
+                  files={"paths.metrics_dir": metrics_files(plan.metrics_file)})
     generated = Path(cfg["paths"]["generated_dir"])
     data_stamp = (generated / "FINGERPRINT").read_text().strip() if (generated / "FINGERPRINT").exists() else "none"
 
