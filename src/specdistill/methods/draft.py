@@ -18,7 +18,7 @@ from specdistill.training.base import MethodConfigBase
 class DraftMethodConfig(MethodConfigBase):
     name: str = "draft"
     init: str = "from_target"
-    vocab_size: int | None = None
+    vocab_size: int | None = 8192
     freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
 
 

@@ -79,7 +79,8 @@ def training_table(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 def sweep_table(sweep: dict[str, dict[str, Any]]) -> list[str]:
     rows = sorted(sweep.items(), key=lambda kv: (kv[1]["settings"]["method"].get("name", "draft"),
-                                                 kv[1]["settings"]["draft"]["num_layers"], kv[1]["settings"]["loss"]["name"]))
+                                                 (kv[1]["settings"].get("draft") or {}).get("num_layers", 0),
+                                                 kv[1]["settings"]["loss"]["name"]))
     return [*HEADER, *(_row(name, r) for name, r in rows)]
 
 
