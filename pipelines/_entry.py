@@ -20,17 +20,24 @@ sys.path.insert(0, str(ROOT / "src"))  # runs from a plain checkout too
 from specdistill.stages.common import setup_logging  # noqa: E402
 
 
-def stage_main(run: Callable[[dict[str, Any]], Any]) -> None:
+def stage_main(run: Callable[..., Any], job: Callable[[], Any] | None = None,
+               rewrite: Callable[[list[str]], list[str]] | None = None) -> None:
+    """Run a stage's `run(cfg)` under Hydra. `job`: called inside each job, its result passed as `run(cfg,
+    job=...)` (what a multirun job is: the stage needs no Hydra of its own); `rewrite`: the stage's shorthand
+    overrides, turned into Hydra's before it parses them."""
     @hydra.main(version_base="1.3", config_path=str(ROOT / "conf"), config_name="config")
     def _main(cfg: DictConfig) -> None:
         setup_logging()
-        run(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        run(container, job=job()) if job else run(container)
 
     stage = Path(sys.argv[0]).stem
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(stage_help(stage, run))
         sys.exit(0)
     _check_config_file(sys.argv[1:])
+    if rewrite is not None:
+        sys.argv[1:] = rewrite(sys.argv[1:])
     if not any(a.startswith("hydra.job.name=") for a in sys.argv[1:]):
         # logs and Hydra's app name: the stage, not `_entry`. Hydra's parser takes the overrides as one run of
         # words anywhere among its flags: join the user's run (`-m a=1 --cfg hydra`), never split it

@@ -136,3 +136,18 @@ def copy_checkout(dest: Path, skip: tuple[str, ...] = ("reports/", "plots/", "me
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, dest / f)
     return dest
+
+
+def front_door(stage: str):
+    """pipelines/<stage>.py as a module (its helpers, e.g. train's shorthand `method_groups`), without running it."""
+    import importlib.util
+    import sys
+
+    name = f"_front_door_{stage}"
+    if name not in sys.modules:
+        sys.path.insert(0, str(ROOT / "pipelines"))  # its `from _entry import ...`
+        spec = importlib.util.spec_from_file_location(name, ROOT / "pipelines" / f"{stage}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -39,16 +39,16 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     # the training sections too: a bad one must fail at start, not after the target has loaded
     from specdistill import methods
     from specdistill.data.datamodule import DataConfig
-    from specdistill.models.draft_lm import DraftSize
-    from specdistill.stages.train import DistillConfig, LossConfig
+    from specdistill.stages.train import DistillConfig, method_sections
+    from specdistill.training.base import build_optimizer
     from specdistill.training.losses import build_loss
 
-    for name, method in cfg["methods"].items():
-        section(methods.get(name, "train").config, method, f"methods.{name}")
-    section(DraftSize, cfg["draft"], "draft")
-    loss = section(LossConfig, cfg["loss"], "loss")
-    build_loss(loss.name, loss.temperature, **loss.params)
-    section(DataConfig, section(DistillConfig, cfg["distill"], "distill").data, "distill.data")
+    for key in cfg["methods"]:
+        method, _, _, loss, distill = method_sections(cfg, key)
+        assert method.name in methods.names("train")
+        build_loss(loss.name, loss.temperature, **(loss.params or {}))
+        build_optimizer(distill["optimizer"], f"methods.{key}.optimizer")
+        section(DataConfig, section(DistillConfig, distill, "distill").data, "distill.data")
     from specdistill.online.policy import OnlineConfig
 
     section(OnlineConfig, cfg["online"], "online")
@@ -134,4 +134,4 @@ def test_overrides_before_or_after_a_flag_keep_the_stages_name(args):
     out = subprocess.run([sys.executable, str(ROOT / "pipelines/train.py"), *args], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-500:]
-    assert "    name: train\n" in out.stdout and "- loss=tvd" in out.stdout
+    assert "    name: train\n" in out.stdout and "- loss@methods.draft.loss=tvd" in out.stdout  # the shorthand, as Hydra got it

@@ -64,7 +64,7 @@ def served(tmp_path_factory):
     cfg = composed(*overrides(tmp, target_dir, gen, "method=eagle", "loss=fkl", "methods.eagle.vocab_size=200",
                               "methods.eagle.feature_layers=[1,2,3]", "methods.eagle.trainer={max_steps:240}",
                               "trainer.val_check_interval=240", "distill.data.batch_size=8",
-                              "distill.optimizer.lr=3e-3"))
+                              "methods.eagle.optimizer.lr=3e-3"))
     train_stage.run(cfg)
     # the separate draft over the full vocabulary (what vLLM's draft_model loads), trained the same way
     train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=draft", "loss=fkl", "methods.draft.vocab_size=null",
@@ -75,18 +75,18 @@ def served(tmp_path_factory):
                                         "methods.eagle.feature_layers=[3,1,2]", "methods.eagle.fc_norm=true",
                                         "methods.eagle.norm_output=true", "methods.eagle.trainer={max_steps:240}",
                                         "trainer.val_check_interval=240", "distill.data.batch_size=8",
-                                        "distill.optimizer.lr=3e-3", "distill.output=eagle31")))
+                                        "methods.eagle.optimizer.lr=3e-3", "distill.output=eagle31")))
     # Medusa heads over a reduced vocabulary (vLLM reads it as a token map: engine-plugin/ makes that load)
     train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=medusa", "loss=fkl", "methods.medusa.vocab_size=200",
                                         "methods.medusa.num_heads=3", "trainer.max_steps=120",
                                         "trainer.val_check_interval=120", "distill.data.batch_size=8",
-                                        "distill.optimizer.lr=3e-3")))
+                                        "methods.medusa.optimizer.lr=3e-3")))
     # a DFlash block drafter (blocks of 4: K = 3), its target layers given out of order (the export sorts them)
     train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=dflash", "loss=fkl", "methods.dflash.vocab_size=200",
                                         "methods.dflash.feature_layers=[3,1,2]", "methods.dflash.block_size=4",
                                         "methods.dflash.num_layers=1", "methods.dflash.trainer={max_steps:240}",
                                         "trainer.val_check_interval=240", "distill.data.batch_size=8",
-                                        "distill.optimizer.lr=3e-3")))
+                                        "methods.dflash.optimizer.lr=3e-3")))
     head = load_eagle(tmp / "models/eagle", model)
     eagle_dir = export_eagle3(head, tmp / "export/eagle", target_dir, num_speculative_tokens=K)
     return {"model": model, "head": head, "target": target_dir, "eagle": eagle_dir, "tmp": tmp}

@@ -44,7 +44,7 @@ def test_sweep_runs_each_job_in_its_own_submitit_process(tmp_path, tiny_target_d
     job_ids = {}
     for num, loss in enumerate(LOSSES):
         job = sweep / str(num)
-        assert f"loss={loss}" in yaml.safe_load((job / ".hydra/overrides.yaml").read_text())
+        assert f"loss@methods.draft.loss={loss}" in yaml.safe_load((job / ".hydra/overrides.yaml").read_text())
         # submitit's id of the job: the pid of the process the local executor started for it (Hydra's basic
         # launcher would leave the job number here)
         job_id = str(yaml.safe_load((job / ".hydra/hydra.yaml").read_text())["hydra"]["job"]["id"])
@@ -66,23 +66,23 @@ def test_sweep_runs_each_job_in_its_own_submitit_process(tmp_path, tiny_target_d
 
 @pytest.mark.launcher
 def test_a_sweep_over_any_key_keeps_each_jobs_metrics_and_run_apart(tmp_path, tiny_target_dir, generated):
-    """`-m distill.optimizer.lr=a,b`: a key that is neither the method, the draft nor the loss still names each
+    """`-m methods.draft.optimizer.lr=a,b`: a key that is neither the method, the draft nor the loss still names each
     job's metrics file and W&B run (two jobs used to write one `draft-xs-fkl.json` and two runs of that name)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "pipelines/train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-           "distill.optimizer.lr=1e-4,1e-3", "+trainer.fast_dev_run=1",
+           "methods.draft.optimizer.lr=1e-4,1e-3", "+trainer.fast_dev_run=1",
            *overrides(tmp_path, tiny_target_dir, generated)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     files = sorted(p.name for p in (tmp_path / "metrics/sweep").glob("*.json"))
     # Hydra hands each job the swept value as it parsed it (1e-4 -> 0.0001)
-    assert files == ["draft-distill.optimizer.lr=0.0001.json", "draft-distill.optimizer.lr=0.001.json"], files
+    assert files == ["draft-methods.draft.optimizer.lr=0.0001.json", "draft-methods.draft.optimizer.lr=0.001.json"], files
     lrs = {read_record(tmp_path / "metrics/sweep" / f)["settings"]["distill"]["optimizer"]["lr"] for f in files}
     assert lrs == {1e-4, 1e-3}
     # the W&B run takes the job's name (Plan.run_name, which the stage logs with its result; fast_dev_run turns
     # Lightning's loggers off, so no run is written here)
     for lr in ("0.0001", "0.001"):
-        assert f"draft-distill.optimizer.lr={lr}: val/alpha" in proc.stdout + proc.stderr
+        assert f"draft-methods.draft.optimizer.lr={lr}: val/alpha" in proc.stdout + proc.stderr
 
 
 def slurm_script(tmp_path: Path, monkeypatch, *ovr: str) -> str:

@@ -297,3 +297,19 @@ def test_an_auto_depth_run_shows_its_prediction_beside_the_measurement(tmp_path,
     (tmp_path / "metrics/eagle_auto.json").write_text(json.dumps(m))
     text = render(tmp_path, monkeypatch)
     assert "| eagle_auto | 0: 1.00x / 1: 1.21x / 2: 1.34x | 2 | 1.34x | mtbench/T0: 1.60x | 40 rounds, 12 s |" in text
+
+
+def test_each_method_describes_itself_and_eagle31_is_a_family_of_its_own():
+    """The report's names come from the methods (`Method.describe`): EAGLE-3.1 is not folded into EAGLE-3's row."""
+    from specdistill.methods import describe_training
+    from specdistill.reporting.summary import family
+
+    tree = {"shape": "dynamic", "total_tokens": 8}
+    assert family({"method": "eagle", "settings": {"eagle_variant": "eagle3.1", "eagle_tree": tree}}) == "EAGLE-3.1"
+    assert family({"method": "eagle", "settings": {"eagle_variant": "eagle3", "eagle_tree": tree,
+                                                   "lookup_branch": True}}) == "EAGLE-3 + lookup branch"
+    assert family({"method": "draft", "settings": {}}) == "separate draft (untrained)"
+    head = {"name": "eagle", "variant": "eagle3", "fc_norm": True, "norm_output": True, "ttt_steps": 3}
+    assert describe_training({"method": head})[0] == "EAGLE head (eagle3.1, 1 layer, TTT 3)"
+    assert describe_training({"method": {"name": "medusa", "num_heads": 4, "num_layers": 1}}) == (
+        "Medusa, 4 heads x 1 block", "target's LM head")

@@ -20,7 +20,7 @@ from specdistill.records import read_record
 from specdistill.stages import train as train_stage
 from specdistill.stages.common import ConfigError
 
-from .conftest import ROOT
+from .conftest import ROOT, front_door
 
 LOSSES = ["fkl", "rkl", "jsd", "tvd", "topk_kl", "ce"]
 
@@ -50,15 +50,17 @@ def overrides(tmp_path, tiny_target_dir, generated, *extra):
             f"paths.models_dir={tmp_path}/models", f"paths.checkpoints_dir={tmp_path}/checkpoints",
             f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots",
             "target=hf", f"target.name_or_path={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
-            "logger=none", "draft=xs", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
+            "logger=none", "draft@methods.draft.draft=xs", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
             "distill.data.batch_size=2", "distill.scheduler.num_warmup_steps=2", "methods.draft.vocab_size=128",
             "methods.eagle.teacher=live", "methods.eagle1.teacher=live", "methods.dflash.teacher=live",
             *extra]  # no features store: the live target
 
 
 def composed(*ovr):
+    """The config as the train front door composes it (`loss=fkl` is shorthand for the chosen method's)."""
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        return OmegaConf.to_container(compose("config", overrides=list(ovr)), resolve=True)
+        return OmegaConf.to_container(compose("config", overrides=front_door("train").method_groups(list(ovr))),
+                                      resolve=True)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -98,7 +100,7 @@ def killed_at(monkeypatch, step: int):
 
 def test_a_killed_run_resumes_its_step_count_and_curve(tmp_path, tiny_target_dir, generated, monkeypatch):
     cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.val_check_interval=6",
-                              "trainer.max_steps=12", "distill.optimizer.lr=3e-3", "methods.draft.init=random"))
+                              "trainer.max_steps=12", "methods.draft.optimizer.lr=3e-3", "methods.draft.init=random"))
     with killed_at(monkeypatch, 8), pytest.raises(RuntimeError, match="killed"):
         train_stage.run(cfg)
     ckpt = torch.load(tmp_path / "checkpoints/draft/last.ckpt", weights_only=False)
@@ -112,7 +114,7 @@ def test_a_killed_run_resumes_its_step_count_and_curve(tmp_path, tiny_target_dir
     # the resumed epoch continues at the killed run's batch, not its first: the same weights as one run
     whole = train_stage.run(composed(*overrides(tmp_path / "whole", tiny_target_dir, generated,
                                                 "trainer.val_check_interval=6", "trainer.max_steps=12",
-                                                "distill.optimizer.lr=3e-3", "methods.draft.init=random")))
+                                                "methods.draft.optimizer.lr=3e-3", "methods.draft.init=random")))
     assert whole["final"]["val/alpha"] == pytest.approx(res["final"]["val/alpha"], rel=1e-6)
     resumed, straight = (load_file(p / "models/draft/model.safetensors") for p in (tmp_path, tmp_path / "whole"))
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
@@ -128,7 +130,7 @@ def test_distillation_raises_alpha(tmp_path, tiny_target_dir, tiny_tokenizer):
     write_split(tmp_path / "gen/train", 16, 0, len(tiny_tokenizer))
     write_split(tmp_path / "gen/val", 16, 0, len(tiny_tokenizer))
     cfg = composed(*overrides(tmp_path, tiny_target_dir, tmp_path / "gen", "trainer.val_check_interval=10",
-                              "trainer.max_steps=40", "distill.optimizer.lr=3e-3", "methods.draft.vocab_size=null"))
+                              "trainer.max_steps=40", "methods.draft.optimizer.lr=3e-3", "methods.draft.vocab_size=null"))
     res = train_stage.run(cfg)
     rows = [r.split(",") for r in (tmp_path / "plots/train_draft/val.csv").read_text().splitlines()[1:]]
     alphas = [float(r[1]) for r in rows]
@@ -153,7 +155,7 @@ def test_progress_shows_in_a_log_file(tmp_path, tiny_target_dir, generated, capf
 
 def test_bad_config_fails_before_the_target_loads(tmp_path, tiny_target_dir, generated):
     with pytest.raises(ConfigError, match="loss"):
-        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=jsd", "loss.params.beta=1.5")))
+        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=jsd", "methods.draft.loss.params.beta=1.5")))
     with pytest.raises(ConfigError, match="teacher=stored"):
         train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=tvd", "distill.teacher=stored")))
     with pytest.raises(ConfigError, match="method="):
@@ -270,23 +272,21 @@ def test_a_cut_off_checkpoint_falls_back_or_names_the_folder(tmp_path, tiny_targ
                                             "trainer.max_steps=9", "methods.draft.init=random", "seed=5")))
 
 
-def test_every_train_item_of_dvc_yaml_composes_and_trains(tmp_path, tiny_target_dir, generated):
-    """Each train@<item>'s `args:` from dvc.yaml, as DVC passes them: `loss.params=null` (draft_ce) once failed
-    the type check after the checks became strict, and only a full run would have shown it."""
-    import shlex
-
+def test_every_train_item_of_dvc_yaml_is_a_method_config_and_trains(tmp_path, tiny_target_dir, generated):
+    """Each train@<key> distills `methods.<key>` from `method=<key>` alone: no config in dvc.yaml. The separate
+    draft's items train a step here (the heads have their own fixtures: test_medusa, test_eagle, test_dflash);
+    draft_ce's data source needs the prepare stage's references, so its config is checked, not trained."""
     import yaml
 
-    items = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["foreach"]
-    for key, item in items.items():
-        if item["method"] != "draft" or "source=dataset" in item["args"]:
-            continue  # heads need their own fixtures (test_medusa, test_eagle); the dataset source needs prompts
-        res = train_stage.run(composed(*overrides(tmp_path / key, tiny_target_dir, generated, f"method={item['method']}",
-                                                  *shlex.split(item["args"]), "+trainer.fast_dev_run=1")))
-        assert res["steps"] >= 1, key
-    # draft_ce's config alone (its data source needs the prepare stage's references): it passes the checks
-    from specdistill.stages.common import section
-    from specdistill.stages.train import LossConfig
-
-    ce = composed(*overrides(tmp_path / "ce", tiny_target_dir, generated, *shlex.split(items["draft_ce"]["args"])))
-    assert section(LossConfig, dict(ce["loss"]), "loss").params is None
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
+    assert spec["do"]["cmd"].endswith("method=${key}") and all("args" not in i for i in spec["foreach"].values())
+    cfg = composed()
+    assert set(spec["foreach"]) <= set(cfg["methods"])
+    for key in ("draft", "draft_full"):
+        res = train_stage.run(composed(*overrides(tmp_path / key, tiny_target_dir, generated, f"method={key}",
+                                                  "+trainer.fast_dev_run=1")))
+        assert res["steps"] >= 1 and res["method"] == "draft", key
+    assert cfg["methods"]["draft_full"]["vocab_size"] is None
+    ce = cfg["methods"]["draft_ce"]
+    assert (ce["name"], ce["loss"]["name"], ce["data"]) == ("draft", "ce", {"source": "dataset"})
+    assert cfg["methods"]["eagle31"]["fc_norm"] and cfg["methods"]["eagle31"]["norm_output"]

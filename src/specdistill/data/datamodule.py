@@ -62,7 +62,7 @@ TOPK_COLUMNS = ("topk_ids", "topk_logprobs")
 class DataConfig:
     source: str = "target"  # target: the generate stage's shards (on-policy) | dataset: the split's references
     batch_size: int = 8  # sequences per batch
-    max_length: int = 1024  # prompt + response tokens kept (see the module docstring for which)
+    max_length: int = 768  # prompt + response tokens kept (see the module docstring for which)
     bucket_size: int = 16  # batches per length bucket
     num_workers: int = 0
     seed: int = 0

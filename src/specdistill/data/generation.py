@@ -43,7 +43,7 @@ class GenerateConfig:
     source: str = "target"  # target: on-policy answers of the target | dataset: the dataset's own answers
     splits: list[str] = field(default_factory=lambda: ["train", "val"])
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 0.95
     top_k: int = 0
     max_new_tokens: int = 256
     batch_size: int = 32

@@ -27,6 +27,8 @@ from specdistill.methods.registry import (  # noqa: F401 (the registry's interfa
     Drafting,
     Method,
     OnlineStudent,
+    describe,
+    describe_training,
     get,
     names,
     register,

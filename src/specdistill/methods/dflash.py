@@ -118,6 +118,18 @@ def label(mcfg: DFlashMethodConfig, size: Any) -> str:
     return f"dflash-l{mcfg.num_layers}-b{mcfg.block_size}"
 
 
+def describe(s: dict[str, Any]) -> tuple[str, str]:
+    shape = f"tree {s['dflash_branching']}" if s.get("dflash_branching") else f"chain K={s.get('dflash_k')}"
+    return "DFlash", f"DFlash block of {s.get('block_size')}, {shape}"
+
+
+def describe_training(s: dict[str, Any]) -> tuple[str, str]:
+    m = s["method"]
+    return (f"DFlash block drafter ({m['num_layers']} layer{'s' if m['num_layers'] > 1 else ''}, blocks of "
+            f"{m['block_size']})", "target's last layers, LM head rows")
+
+
 register(Method("dflash", __doc__, config=DFlashMethodConfig, build=build, label=label, reads_hidden=True,
                 precomputed=True, check=check, draft=drafting, sampled_chain=sampled_chain, export=export,
-                engine=engine, max_k=max_k, ours=ours))
+                engine=engine, max_k=max_k, ours=ours,
+                describe=describe, describe_training=describe_training))

@@ -18,7 +18,7 @@ from specdistill.training.base import MethodConfigBase
 class DraftMethodConfig(MethodConfigBase):
     name: str = "draft"
     init: str = "from_target"
-    vocab_size: int | None = None
+    vocab_size: int | None = 8192
     freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
 
 
@@ -132,7 +132,19 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     return DraftLMProposer(load_draft(scfg.draft_path, dtype=target.model.dtype), k=k)
 
 
-register(Method("draft", __doc__, config=DraftMethodConfig, build=build, label=lambda mcfg, size: size.name,
+def describe(s: dict[str, Any]) -> tuple[str, str]:
+    trained = s.get("draft_training")
+    if trained:
+        return "separate draft", str(trained["draft_size"])
+    return "separate draft (untrained)", str(s.get("draft") or "draft")
+
+
+def describe_training(s: dict[str, Any]) -> tuple[str, str]:
+    layers = s["draft"]["num_layers"]
+    return f"{s['draft']['name']} ({layers} layer{'s' if layers > 1 else ''})", s["method"]["init"]
+
+
+register(Method("draft", __doc__, describe=describe, describe_training=describe_training, config=DraftMethodConfig, build=build, label=lambda mcfg, size: size.name,
                 uses_draft_size=True, check=check, draft=drafting,
                 sampled_chain=lambda ecfg: None if ecfg.tree else "eval.tree=[...] (a top-k tree)", online=online, online_teacher="stored",
                 export=export, engine=engine,

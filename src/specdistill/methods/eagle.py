@@ -70,7 +70,7 @@ def drafting(ecfg: Any, target: Any) -> Drafting:
     eagle = EagleProposer(head, EagleTreeConfig(**ecfg.eagle_tree), capacity=ecfg.capacity)
     n_params, n_bytes = parameter_bytes(head, model.dtype)
     info = {"draft": ecfg.eagle_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
-            "draft_vocab": head.cfg.draft_vocab_size or head.cfg.vocab_size, "eagle_variant": head.cfg.variant,
+            "draft_vocab": head.cfg.draft_vocab_size or head.cfg.vocab_size, "eagle_variant": label(head.cfg, None),
             "eagle_tree": asdict(eagle.tree), "draft_training": training_summary(ecfg.eagle_path)}
     depth = max(eagle.tree.k, eagle.tree.depth, len(eagle.tree.branching or []))
     return Drafting(eagle, info, max_depth=depth)
@@ -132,7 +132,24 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     return EagleProposer(head, EagleTreeConfig(shape="chain", k=k))
 
 
-def label(mcfg: EagleMethodConfig, size: Any) -> str:
+FAMILIES = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3", "eagle3.1": "EAGLE-3.1"}
+
+
+def describe(s: dict[str, Any]) -> tuple[str, str]:
+    variant, t = s.get("eagle_variant"), s.get("eagle_tree") or {}
+    shape = {"dynamic": f"dynamic tree {t.get('total_tokens')} nodes", "chain": f"chain K={t.get('k')}"}.get(
+        t.get("shape"), f"static tree {t.get('branching')}")
+    return FAMILIES.get(variant, f"EAGLE ({variant})"), f"{variant}, {shape}"
+
+
+def describe_training(s: dict[str, Any]) -> tuple[str, str]:
+    m = s["method"]
+    variant = label(EagleMethodConfig(**{k: m[k] for k in ("variant", "fc_norm", "norm_output") if k in m}), None)
+    student = f"EAGLE head ({variant}, 1 layer{', TTT ' + str(m['ttt_steps']) if m['ttt_steps'] > 1 else ''})"
+    return student, ("target's last layer + LM head" if m["variant"] == "eagle1" else "random layer, target's LM head rows")
+
+
+def label(mcfg: Any, size: Any) -> str:
     """eagle1, eagle3, or eagle3.1 (both EAGLE-3.1 flags; one alone is named)."""
     if mcfg.fc_norm and mcfg.norm_output:
         return "eagle3.1"
@@ -141,9 +158,9 @@ def label(mcfg: EagleMethodConfig, size: Any) -> str:
 
 register(Method("eagle", __doc__, config=EagleMethodConfig, build=build, label=label,
                 reads_hidden=True, precomputed=True, check=check, draft=drafting, online=online, export=export,
-                sampled_chain=sampled_chain,
-                engine=engine, ours=ours))
+                sampled_chain=sampled_chain, engine=engine, ours=ours, describe=describe,
+                describe_training=describe_training))
 # EAGLE-1: the same method with its own config section (methods.eagle1: variant eagle1); it shares EAGLE's
 # decoder and online path, and is not exported (vLLM serves EAGLE-1 only in its own older layout)
 register(Method("eagle1", "EAGLE-1: " + __doc__.split(". ", 1)[0], config=EagleMethodConfig, build=build,
-                label=label, reads_hidden=True, precomputed=True, check=check))
+                label=label, reads_hidden=True, precomputed=True, check=check, describe_training=describe_training))

@@ -29,6 +29,11 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     return PromptLookupProposer(k, scfg.ngram_max, scfg.ngram_min, 1)
 
 
-register(Method("lookup", __doc__, draft=drafting))
+def describe(s: dict[str, Any]) -> tuple[str, str]:
+    branches = s.get("lookup_branches", 1)
+    return "prompt lookup", "prompt lookup" + (f", a tree of {branches} chains" if branches > 1 else "")
+
+
+register(Method("lookup", __doc__, draft=drafting, describe=describe))
 register(Method("ngram", "The engine's prompt lookup (vLLM `method: ngram`), with ours beside it.", engine=engine,
                 ours=ours))

@@ -103,7 +103,17 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     return MedusaProposer(heads, [(0,) * d for d in range(1, k + 1)])
 
 
+def describe(s: dict[str, Any]) -> tuple[str, str]:
+    return "Medusa", f"Medusa {s.get('medusa_heads')} heads, {s.get('tree_nodes')}-node tree"
+
+
+def describe_training(s: dict[str, Any]) -> tuple[str, str]:
+    m = s["method"]
+    return f"Medusa, {m['num_heads']} heads x {m['num_layers']} block", "target's LM head"
+
+
 register(Method("medusa", __doc__, config=MedusaMethodConfig, build=build,
                 label=lambda mcfg, size: f"k{mcfg.num_heads}", reads_hidden=True, draft=drafting,
                 sampled_chain=lambda ecfg: None,  # its tree is deterministic
-                export=export, engine=engine, max_k=max_k, ours=ours))
+                export=export, engine=engine, max_k=max_k, ours=ours,
+                describe=describe, describe_training=describe_training))

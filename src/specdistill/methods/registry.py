@@ -73,6 +73,10 @@ class Method:
     engine: Callable[[Any, int, str | None], dict[str, Any]] | None = None
     max_k: Callable[[str], int] | None = None  # the most tokens the engine drafts with this export (None: any K)
     ours: Callable[[Any, Any, int], Any] | None = None
+    # how the report names it: an evaluate record's settings -> (the family a user picks between, e.g. "EAGLE-3.1";
+    # the run's draft in words), and a train record's settings -> (the student, what it started from)
+    describe: Callable[[dict[str, Any]], tuple[str, str]] | None = None
+    describe_training: Callable[[dict[str, Any]], tuple[str, str]] | None = None
 
 
 REGISTRY: dict[str, Method] = {}
@@ -89,6 +93,22 @@ def names(capability: str) -> tuple[str, ...]:
     """The registered methods that have `capability` (train, evaluate, online, export, serve)."""
     attr = CAPABILITIES[capability]
     return tuple(n for n, m in REGISTRY.items() if getattr(m, attr) is not None)
+
+
+def describe(metrics: dict[str, Any]) -> tuple[str, str]:
+    """(family, the draft in words) of an evaluate record, from its method's `describe` (its name where it has none)."""
+    method = REGISTRY.get(metrics["method"])
+    if method is None or method.describe is None:
+        return metrics["method"], metrics["method"]
+    return method.describe(metrics["settings"])
+
+
+def describe_training(settings: dict[str, Any]) -> tuple[str, str]:
+    """(student, what it started from) of a train record, from its method's `describe_training`."""
+    method = REGISTRY.get(settings["method"].get("name", "draft"))
+    if method is None or method.describe_training is None:
+        return settings["method"].get("name", "?"), "–"
+    return method.describe_training(settings)
 
 
 def get(name: str, capability: str, key: str = "method") -> Method:

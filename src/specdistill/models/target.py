@@ -42,7 +42,7 @@ class TargetConfig:
     name_or_path: str
     gguf_file: str | None = None
     revision: str | None = None
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
     device: str = "cpu"
     trust_remote_code: bool = False
     attn_implementation: str | None = "sdpa"

@@ -12,9 +12,9 @@ class OnlineConfig:
     method: str = "draft"  # draft (models/draft) | eagle (models/eagle)
     scenario: str = "code"  # code: a ShareGPT-distilled draft serves HumanEval | chat: held-out ShareGPT prompts
     draft_path: str | None = None  # the offline draft; null: models/<method>
-    requests: int = 64  # the stream served while learning
-    held_out: int = 24  # requests measured afterwards by the frozen and the online draft
-    max_new_tokens: int = 64
+    requests: int = 48  # the stream served while learning
+    held_out: int = 16  # requests measured afterwards by the frozen and the online draft
+    max_new_tokens: int = 48
     temperature: float = 0.0
     k: int = 2  # draft chain length (method=draft)
     eagle_tree: dict = field(default_factory=lambda: {"shape": "chain", "k": 3})

@@ -6,22 +6,15 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from specdistill.methods import describe
 from specdistill.reporting.tables import draft_label, speedup_cell
 
 
 def family(metrics: dict[str, Any]) -> str:
-    """What a user picks between: the method, the EAGLE variant, trained or not, and a lookup branch added."""
-    s, method = metrics["settings"], metrics["method"]
-    if method == "eagle":
-        name = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}.get(s.get("eagle_variant"), f"EAGLE ({s.get('eagle_variant')})")
-    else:
-        name = {"draft": "separate draft", "medusa": "Medusa", "dflash": "DFlash", "lookup": "prompt lookup"}.get(
-            method, method)
-    if method == "draft" and not s.get("draft_training"):
-        name += " (untrained)"
-    if s.get("lookup_branch", s.get("eagle_lookup")):
-        name += " + lookup branch"
-    return name
+    """What a user picks between: the method (and variant, trained or not, as it describes itself) and a lookup
+    branch added."""
+    s = metrics["settings"]
+    return describe(metrics)[0] + (" + lookup branch" if s.get("lookup_branch", s.get("eagle_lookup")) else "")
 
 
 def geomean_speedup(metrics: dict[str, Any]) -> float:

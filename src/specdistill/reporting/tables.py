@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specdistill.evaluation.accounting import expected_accepted_length
+from specdistill.methods import REGISTRY, describe
 from specdistill.reporting import alphas, chained_tau, settings
 
 ROW_NAMES = {"ar": "AR (ours, K=0)", "hf_generate": "HF generate", "spec": "speculative (ours)",
@@ -27,29 +28,15 @@ def speedup_cell(s: dict[str, Any], interval: bool = True) -> str:
 
 
 def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
+    """(the run's draft in words, what it was trained with): the method's own words (its registered `describe`),
+    then what evaluate added to it (a lookup branch, a depth cap) and its vocabulary."""
     s = metrics["settings"]
-    if metrics["method"] == "lookup":
-        branches = s.get("lookup_branches", 1)
-        return "prompt lookup" + (f", a tree of {branches} chains" if branches > 1 else ""), "–"
+    words = describe(metrics)[1] + lookup_branch(s) + depth_cap(s)
+    words += f" ({s['draft_vocab']} tokens)" if s.get("draft_vocab") else ""
     trained = s.get("draft_training")
-    if metrics["method"] == "eagle":
-        data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
-        t = s.get("eagle_tree") or {}
-        shape = {"dynamic": f"dynamic tree {t.get('total_tokens')} nodes", "chain": f"chain K={t.get('k')}"}.get(
-            t.get("shape"), f"static tree {t.get('branching')}")
-        return f"{s.get('eagle_variant')}, {shape}{lookup_branch(s)}{depth_cap(s)} ({s.get('draft_vocab')} tokens)", data
-    if metrics["method"] == "medusa":
-        data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
-        return (f"Medusa {s.get('medusa_heads')} heads, {s.get('tree_nodes')}-node tree{lookup_branch(s)} "
-                f"({s.get('draft_vocab')} tokens)", data)
-    if metrics["method"] == "dflash":
-        data = f"{trained['loss']} on {trained['data']}" if trained else "untrained"
-        shape = f"tree {s['dflash_branching']}" if s.get("dflash_branching") else f"chain K={s.get('dflash_k')}"
-        return f"DFlash block of {s.get('block_size')}, {shape}{lookup_branch(s)} ({s.get('draft_vocab')} tokens)", data
-    if trained:
-        vocab = s.get("draft_vocab")
-        return f"{trained['draft_size']}{lookup_branch(s)} ({vocab} tokens)", f"{trained['loss']} on {trained['data']}"
-    return f"{s.get('draft') or 'draft'}{lookup_branch(s)}", "untrained"
+    trains = getattr(REGISTRY.get(metrics["method"]), "build", None) is not None  # prompt lookup has nothing to train
+    data = f"{trained['loss']} on {trained['data']}" if trained else "untrained" if trains else "–"
+    return words, data
 
 
 def depth_cap(settings: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
+from specdistill.methods import describe_training
 from specdistill.records import read_records
 
 
@@ -42,20 +43,7 @@ def _row(name: str, r: dict[str, Any]) -> str:
     s, f = r["settings"], r["final"]
     data = s["distill"]["data"]
     vocab = s.get("draft_vocab") or "full"
-    if s["method"].get("name") == "medusa":
-        m = s["method"]
-        student, init = f"Medusa, {m['num_heads']} heads x {m['num_layers']} block", "target's LM head"
-    elif s["method"].get("name") == "dflash":
-        m = s["method"]
-        student = f"DFlash block drafter ({m['num_layers']} layer{'s' if m['num_layers'] > 1 else ''}, blocks of {m['block_size']})"
-        init = "target's last layers, LM head rows"
-    elif "variant" in s["method"]:
-        m = s["method"]
-        student = f"EAGLE head ({m['variant']}, 1 layer{', TTT ' + str(m['ttt_steps']) if m['ttt_steps'] > 1 else ''})"
-        init = "target's last layer + LM head" if m["variant"] == "eagle1" else "random layer, target's LM head rows"
-    else:
-        layers = s["draft"]["num_layers"]
-        student, init = f"{s['draft']['name']} ({layers} layer{'s' if layers > 1 else ''})", s["method"]["init"]
+    student, init = describe_training(s)
     if s["method"].get("init_from"):  # a continued run: its steps are this run's, on top of that folder's;
         how = "continued from" if r["steps"] else "validated as saved in"  # or none: max_steps=0 validates it
         init = f"{how} {_lineage(s)}"
@@ -79,7 +67,8 @@ def training_table(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 def sweep_table(sweep: dict[str, dict[str, Any]]) -> list[str]:
     rows = sorted(sweep.items(), key=lambda kv: (kv[1]["settings"]["method"].get("name", "draft"),
-                                                 kv[1]["settings"]["draft"]["num_layers"], kv[1]["settings"]["loss"]["name"]))
+                                                 (kv[1]["settings"].get("draft") or {}).get("num_layers", 0),
+                                                 kv[1]["settings"]["loss"]["name"]))
     return [*HEADER, *(_row(name, r) for name, r in rows)]
 
 

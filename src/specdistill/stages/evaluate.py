@@ -46,7 +46,7 @@ class EvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     top_p: float = 1.0
     top_k: int = 0
-    k: int = 4  # draft chain length
+    k: int = 2  # draft chain length
     tree: list[int] | None = None  # branching per depth for a top-k draft tree instead of a chain
     depth: int | str | None = None  # a cap on the draft's depth | "auto": chosen from measured costs (autotune.py)
     draft_path: str | None = None  # a draft folder (train@draft writes models/draft); null: untrained
@@ -54,7 +54,7 @@ class EvalConfig:
     draft_layers: int = 4
     hf_baselines: bool = True  # HF generate and HF assisted generation beside ours
     medusa_path: str | None = None  # train@medusa writes models/medusa (heads + tree.json)
-    medusa_budget: int = 16  # which saved tree (nodes) to verify
+    medusa_budget: int = 12  # which saved tree (nodes) to verify
     medusa_choices: list[list[int]] | None = None  # an explicit Medusa tree instead of a saved one
     eagle_path: str | None = None  # train@eagle writes models/eagle (eagle3), train@eagle1 models/eagle1
     eagle_tree: dict[str, Any] = field(default_factory=dict)  # decoding/eagle.py EagleTreeConfig
@@ -149,8 +149,20 @@ def chat_encoder(tok: Any) -> Callable[[list[dict[str, str]]], list[int]]:
     return encode
 
 
+def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `eval` section with its item's keys over it (`evals.<eval.name or eval.method>`, the DVC item's
+    config): an item's key wins over the shared section's, and the log says where it did."""
+    shared = dict(cfg["eval"])
+    key = shared.get("name") or shared.get("method")
+    item = dict((cfg.get("evals") or {}).get(key) or {})
+    for k in sorted(set(item) & set(shared)):
+        if item[k] != shared[k] and k != "method":
+            log.info("evals.%s.%s=%r over eval.%s=%r (set evals.%s.%s to change it)", key, k, item[k], k, shared[k], key, k)
+    return {**shared, **item}
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    ecfg = section(EvalConfig, dict(cfg["eval"]), "eval")
+    ecfg = section(EvalConfig, eval_item(cfg), "eval")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
     metrics_file = Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"

@@ -37,6 +37,7 @@ from specdistill.outputs import check_replaceable
 from specdistill.records import headline_of_training, metrics_files, write_record
 from specdistill.stages.common import ConfigError, check_outputs, environment, section
 from specdistill.tracking import log_folder
+from specdistill.training.base import build_optimizer
 from specdistill.training.losses import LossError, build_loss
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,15 @@ log = logging.getLogger(__name__)
 # Lightning cannot see from outside: its warning that the loader restarts the epoch does not hold here
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
+# the keys of a `methods.<m>` section the train stage reads itself (the method's dataclass gets the rest):
+# the draft's size (methods that size one), its loss, optimizer and what it sets over distill.data
+TRAINING_KEYS = ("draft", "loss", "optimizer", "data")
+
+
 @dataclass
 class LossConfig:
     RANGES: ClassVar[dict[str, str]] = {"temperature": "(0, inf)"}  # checked by `section`
-    name: str = "fkl"
+    name: str  # each method chooses its own (methods.<m>.loss): no default here
     temperature: float = 1.0
     params: dict[str, Any] | None = field(default_factory=dict)  # null: none (e.g. loss.name=ce over jsd's params)
 
@@ -76,44 +82,30 @@ class Plan:
     run_name: str
 
 
-def _hydra_job_dir() -> Path | None:
-    """The job's own folder in a Hydra multirun; None in a single run (DVC stages, hand runs)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+@dataclass(frozen=True)
+class Job:
+    """A Hydra multirun job, as the front door (pipelines/_entry.py) saw it: its own folder, its value of every
+    swept override (`loss@methods.draft.loss=fkl`, ...) and its number."""
 
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Path(HydraConfig.get().runtime.output_dir)
-    return None
+    dir: Path
+    swept: tuple[str, ...]
+    num: int
 
-
-def sweep_job_name(method: str) -> str:
-    """A multirun job's name, made of its value of every swept override (`draft-distill.optimizer.lr=1e-4`), so
-    that no two jobs of a sweep share metrics or a W&B run; the job number where nothing was swept by override.
-    The swept keys come from the sweep's own record (`multirun.yaml`, written before any job starts, whichever
-    launcher runs them)."""
-    import yaml
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    hc = HydraConfig.get()
-    record = Path(hc.sweep.dir) / "multirun.yaml"
-    given = yaml.safe_load(record.read_text())["hydra"]["overrides"]["task"] if record.exists() else []
-    parser = OverridesParser.create()
-    swept = {o.key_or_group for o in parser.parse_overrides(given) if o.is_sweep_override()}
-    parts = [f"{o.key_or_group}={o.value()}".replace("/", "_") for o in parser.parse_overrides(list(hc.overrides.task))
-             if o.key_or_group in swept]
-    return f"{method}-{'-'.join(parts)}" if parts else f"{method}-job{hc.job.num}"
+    def name(self, method: str) -> str:
+        """No two jobs of a sweep share metrics or a W&B run: the swept values, else the job number."""
+        parts = [s.replace("/", "_") for s in self.swept]
+        return f"{method}-{'-'.join(parts)}" if parts else f"{method}-job{self.num}"
 
 
-def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str, output: str | None = None) -> Plan:
+def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str, output: str | None = None,
+                 job: Job | None = None) -> Plan:
     paths = cfg["paths"]
     name = f"{method}-{draft}-{loss}"
     method = output or method
-    job = _hydra_job_dir()
     if job is not None:
-        name = sweep_job_name(method)
-        return Plan(job / "model", job / "checkpoints", Path(paths.get("metrics_dir", "metrics")) / "sweep" / f"{name}.json",
-                    None, name)
+        name = job.name(method)
+        return Plan(job.dir / "model", job.dir / "checkpoints",
+                    Path(paths.get("metrics_dir", "metrics")) / "sweep" / f"{name}.json", None, name)
     return Plan(Path(paths.get("models_dir", "models")) / method, Path(paths.get("checkpoints_dir", "checkpoints")) / method,
                 Path(paths.get("metrics_dir", "metrics")) / f"train_{method}.json",
                 Path(paths.get("plots_dir", "plots")) / f"train_{method}", name)
@@ -189,57 +181,73 @@ def _wandb_logger(logger_cfg: dict[str, Any] | None, run_id: str, run_name: str,
                        save_dir=cfg.get("dir", "."), id=run_id, resume="allow", config=config)
 
 
-def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    import hydra.utils
+def method_sections(cfg: dict[str, Any], key: str) -> tuple[Any, Any, DraftSize | None, LossConfig, dict[str, Any]]:
+    """`methods.<key>` checked: the registered method (its `name`), its own config, its draft size (methods that
+    size one), its loss, and the distill section it trains with (its optimizer, its data keys, its teacher)."""
+    if key not in (cfg.get("methods") or {}):
+        raise ConfigError(f"method={key}: no methods.{key} section; use one of {sorted(cfg.get('methods') or {})} "
+                          f"(a new one: conf/methods/{key}.yaml, listed in conf/config.yaml's defaults)")
+    own = dict(cfg["methods"][key])
+    name = own.get("name", key)
+    method = methods.get(name, "train", f"methods.{key}.name")
+    shared = {k: own.pop(k) for k in TRAINING_KEYS if k in own}  # what every method trains with, set per method
+    missing = [k for k in ("loss", "optimizer") if k not in shared]
+    if missing:
+        raise ConfigError(f"methods.{key} has no {' / '.join(missing)}: its conf/methods/ file's defaults list "
+                          "`/loss@loss: <name>` and `/optimizer@optimizer: adamw`")
+    mcfg = section(method.config, own, f"methods.{key}")
+    if method.check is not None:
+        method.check(mcfg)
+    if method.uses_draft_size != ("draft" in shared):
+        raise ConfigError(f"methods.{key}.draft: " + (f"{name} sizes its draft there (conf/draft/)" if method.uses_draft_size
+                                                      else f"{name} takes no draft size; remove it"))
+    size = section(DraftSize, dict(shared["draft"]), f"methods.{key}.draft") if method.uses_draft_size else None
+    lcfg = section(LossConfig, dict(shared["loss"]), f"methods.{key}.loss")
+    distill = {**cfg["distill"], "optimizer": shared["optimizer"],
+               "data": {**cfg["distill"]["data"], **(shared.get("data") or {})}}
+    if getattr(mcfg, "teacher", None):  # methods.<m>.teacher wins over distill.teacher (an experiment's EAGLE choice)
+        distill["teacher"] = mcfg.teacher
+    return method, mcfg, size, lcfg, distill
+
+
+def run(cfg: dict[str, Any], job: Job | None = None) -> dict[str, Any]:
+    """Distill `methods.<cfg.method>`; `job`: the Hydra multirun job this run is (None: a single run)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     # every section is checked before the target loads: a bad config fails at start
-    name = cfg.get("method")
-    method = methods.get(name, "train")
-    if name not in cfg.get("methods", {}):
-        raise ConfigError(f"method={name}: conf/config.yaml must list methods@methods.{name}: {name} in its defaults")
-    mcfg = section(method.config, dict(cfg["methods"][name]), f"methods.{name}")
-    if method.check is not None:
-        method.check(mcfg)
-    size = section(DraftSize, dict(cfg["draft"]), "draft")
-    lcfg = section(LossConfig, dict(cfg["loss"]), "loss")
-    dist = section(DistillConfig, dict(cfg["distill"]), "distill")
-    if getattr(mcfg, "teacher", None):  # methods.<m>.teacher wins over distill.teacher (an experiment's EAGLE choice)
-        dist.teacher = mcfg.teacher
-        cfg = {**cfg, "distill": {**cfg["distill"], "teacher": mcfg.teacher}}  # the settings and stamp say so
-    dcfg = section(DataConfig, dict(dist.data), "distill.data")
+    key = cfg.get("method")
+    method, mcfg, size, lcfg, distill = method_sections(cfg, key)
+    name = method.name
+    dist = section(DistillConfig, distill, "distill")
+    cfg = {**cfg, "distill": distill}  # what this method trains with: the settings and the stamp say so
+    dcfg = section(DataConfig, dict(dist.data), "distill.data")  # methods.<key>.data over it
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     try:
-        loss = build_loss(lcfg.name, lcfg.temperature, **(lcfg.params or {}))  # null: none (e.g. ce after jsd)
+        loss = build_loss(lcfg.name, lcfg.temperature, **(lcfg.params or {}))  # null: none
     except LossError as e:
-        raise ConfigError(f"loss: {e}") from e
+        raise ConfigError(f"methods.{key}.loss: {e}") from e
     if method.reads_hidden and (dist.teacher == "stored" or dcfg.source not in ("target", "dataset")):
-        raise ConfigError(f"method={name} reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
+        raise ConfigError(f"method={key} reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
                           f"or precomputed (got {dist.teacher}) and distill.data.source=target or dataset (got {dcfg.source})")
     if dist.teacher == "precomputed" and (not method.precomputed or dcfg.source != "target"):
         raise ConfigError(f"distill.teacher=precomputed reads the features stage's store, made for EAGLE heads "
                           f"(method={'/'.join(n for n in methods.names('train') if methods.REGISTRY[n].precomputed)}) "
                           f"on the generate stage's answers (distill.data.source=target); "
-                          f"got method={name}, source={dcfg.source}: use distill.teacher=live")
+                          f"got method={key}, source={dcfg.source}: use distill.teacher=live")
     if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
         raise ConfigError(f"distill.data.source={dcfg.source} trains on the draft's own samples, which have no stored "
                           "top-k: use distill.teacher=live")
     if dist.teacher in ("stored", "precomputed") and loss.needs_full_teacher:
-        raise ConfigError(f"loss={lcfg.name} needs the target's full distribution; distill.teacher={dist.teacher} keeps "
-                          "only its top-k: use distill.teacher=live or loss=fkl/topk_kl")
-    optimizer = hydra.utils.instantiate(dist.optimizer)
-    import torch
-
-    try:  # built once on a dummy parameter now: a bad value (`lr=fast`) fails here, before any checkpoint is touched
-        optimizer([torch.nn.Parameter(torch.zeros(1))])
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"distill.optimizer={dist.optimizer}: {e}") from e
-    scheduler = hydra.utils.instantiate(dist.scheduler) if dist.scheduler else None
+        raise ConfigError(f"methods.{key}.loss={lcfg.name} needs the target's full distribution; distill.teacher={dist.teacher} "
+                          f"keeps only its top-k: use distill.teacher=live or loss fkl / topk_kl")
+    optimizer = build_optimizer(dist.optimizer, f"methods.{key}.optimizer")
+    scheduler = build_optimizer(dist.scheduler, "distill.scheduler", probe=False) if dist.scheduler else None
     trainer_kwargs = {**dict(cfg["trainer"]), **(mcfg.trainer or {})}  # methods.<m>.trainer wins (every method has one)
     label = method.label(mcfg, size) if method.label else name
-    check_outputs(cfg, names={"distill.output": dist.output or name, "loss.name": lcfg.name, "draft.name": label})
-    plan = plan_outputs(cfg, name, label, lcfg.name, dist.output)
+    check_outputs(cfg, names={"distill.output": dist.output or key, f"methods.{key}.loss.name": lcfg.name,
+                              f"methods.{key}": label})
+    plan = plan_outputs(cfg, key, label, lcfg.name, dist.output, job)
     check_outputs(cfg, replaced={"distill.output": plan.model_dir,
                                  **({"paths.plots_dir": plan.plots_dir} if plan.plots_dir else {})},
                   fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir},
@@ -269,7 +277,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     pl.seed_everything(int(cfg.get("seed", 0)), workers=True, verbose=False)
     built = method.build(mcfg, size, dcfg, cfg, target, datamodule, stops, pad_id, common)
     module = built.module
-    stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size) if method.uses_draft_size else None, "loss": asdict(lcfg), "distill": cfg["distill"],
+    stamp = config_hash({"method": asdict(mcfg), "draft": asdict(size) if size else None, "loss": asdict(lcfg), "distill": cfg["distill"],
                          "trainer": trainer_kwargs, "target": target.fingerprint, "data": data_stamp, "seed": cfg.get("seed")})
     ckpt_path, run_id = resume_point(plan.ckpt_dir, stamp)
     if ckpt_path:
@@ -293,7 +301,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     final = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
     history = {row["step"]: row for row in module.val_history}  # the final pass may repeat the last step
     result = {"method": name, "final": final, "steps": trainer.global_step,
-              "settings": {"method": asdict(mcfg), "draft": asdict(size), "loss": asdict(lcfg), "distill": cfg["distill"],
+              "settings": {"method": asdict(mcfg), "draft": asdict(size) if size else None, "loss": asdict(lcfg), "distill": cfg["distill"],
                            "trainer": trainer_kwargs, "experiment": group, "target_fingerprint": target.fingerprint,
                            "train_tokens": datamodule.num_train_tokens, "val_tokens": datamodule.num_val_tokens,
                            "draft_parameters": sum(p.numel() for p in built.student.parameters()),

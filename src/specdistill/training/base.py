@@ -36,6 +36,26 @@ class MethodConfigBase:
     trainer: dict[str, Any] = field(default_factory=dict)  # over the `trainer` section for this method only
 
 
+def build_optimizer(spec: dict[str, Any], key: str, probe: bool = True) -> Callable[..., Any]:
+    """A `_target_` / `_partial_` config (conf/optimizer/, distill.scheduler) as the factory Lightning's
+    `configure_optimizers` calls. An optimizer (`probe`) is built once on a dummy parameter now, so a bad value
+    (`lr=fast`) fails at start, before any checkpoint is touched; the error names the key."""
+    import hydra.utils
+
+    from specdistill.errors import ConfigError
+
+    try:
+        factory = hydra.utils.instantiate(spec)
+    except Exception as e:  # Hydra wraps an unknown _target_ or a bad argument in its own errors
+        raise ConfigError(f"{key}={spec}: {e}") from e
+    if probe:
+        try:
+            factory([torch.nn.Parameter(torch.zeros(1))])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{key}={spec}: {e}") from e
+    return factory
+
+
 def logits_at(model: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     """[N, V] logits of a causal LM at the N True positions of `mask` only: the full [B, T, V]
     tensor of a 49k vocabulary is most of a step's memory and none of its signal."""

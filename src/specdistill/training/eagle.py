@@ -43,8 +43,8 @@ class EagleMethodConfig(MethodConfigBase):
     vocab_size: int | None = 8192  # draft vocabulary (top-N tokens of the generated data); null: the target's
     ttt_steps: int = 3  # training-time test: steps unrolled on the head's own states (1: EAGLE-1 training)
     step_decay: float = 0.8  # step i's loss weight decay^i
-    feature_weight: float = 1.0  # eagle1: SmoothL1 on the predicted state
-    ce_weight: float = 0.1  # eagle1: weight of the token loss through the frozen LM head
+    feature_weight: float = 0.0  # eagle1: SmoothL1 on the predicted state (conf/methods/eagle1.yaml: 1.0)
+    ce_weight: float = 1.0  # the token loss's weight (eagle1: through the frozen LM head, 0.1)
     noise: float = 0.0  # uniform noise in [-noise, noise] on the (unit-RMS) input features while training
     step_weights: str = "decay"  # decay: step i weighs step_decay^i | dpace: D-PACE weights per anchor (dpace_alpha)
     dpace_alpha: float = 0.5

@@ -1,0 +1,75 @@
+"""dvc.yaml's params are narrow: a change to one method's key reruns that method's stages only (and what
+reads their outputs, through deps), and no stage's config hides in its command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stage_params() -> dict[str, list[str]]:
+    """`stage@item` -> the params DVC watches for it (foreach expanded as DVC does)."""
+    out: dict[str, list[str]] = {}
+    for name, spec in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items():
+        items = spec.get("foreach")
+        body = spec.get("do", spec)
+        for key, item in (items.items() if items else [(None, {})]):
+            def fill(text: str, key: str | None = key, item: dict = item) -> str:
+                text = text.replace("${key}", str(key))
+                for k, v in (item or {}).items():
+                    text = text.replace(f"${{item.{k}}}", str(v))
+                return text
+            params = [p if isinstance(p, str) else next(iter(p)) for p in body.get("params", [])]
+            out[name if key is None else f"{name}@{key}"] = [fill(p) for p in params]
+            out.setdefault("_cmd:" + (name if key is None else f"{name}@{key}"), [fill(body["cmd"])])
+    return out
+
+
+def rerun_by(changed: str) -> set[str]:
+    """The stages whose own params a change to the dotted key `changed` touches."""
+    hit = lambda p: changed == p or changed.startswith(p + ".")  # noqa: E731
+    return {s for s, ps in stage_params().items() if not s.startswith("_cmd:") and any(hit(p) for p in ps)}
+
+
+@pytest.mark.parametrize("changed,only", [
+    ("methods.medusa.num_heads", {"train@medusa"}),
+    ("methods.draft.draft.num_layers", {"train@draft"}),  # the draft's size: not EAGLE's, Medusa's, the variants'
+    ("methods.draft.loss.name", {"train@draft"}),
+    ("methods.eagle.optimizer.lr", {"train@eagle"}),
+    ("methods.eagle31.fc_norm", {"train@eagle31"}),
+    ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
+    ("evals.untrained.k", {"evaluate@untrained"}),
+])
+def test_a_change_to_one_methods_key_reruns_its_stages_only(changed, only):
+    assert rerun_by(changed) == only
+
+
+def test_shared_keys_still_rerun_every_stage_that_reads_them():
+    trains = {s for s in stage_params() if s.startswith("train@")}
+    assert trains <= rerun_by("distill.data.batch_size") and trains <= rerun_by("trainer.max_steps")
+    assert {s for s in stage_params() if s.startswith("evaluate@")} == rerun_by("eval.max_new_tokens")
+
+
+def test_no_stage_command_carries_config():
+    """The command names the item (`method=<key>`, `eval.name=<key>`, `<stage>.method=<key>`); every value it
+    runs with is in params.yaml, where DVC sees it (an `args:` string was invisible to `dvc params diff`)."""
+    for stage, (cmd,) in ((s[5:], c) for s, c in stage_params().items() if s.startswith("_cmd:")):
+        words = cmd.split("--config-name params")[-1].split()
+        assert len(words) <= 1, (stage, words)
+        assert all(w.split("=", 1)[0] in ("method", "eval.name", "online.method", "export.method", "serve.method")
+                   for w in words), (stage, words)
+
+
+def test_every_item_names_a_config_section():
+    from .test_config import composed
+
+    cfg = composed()
+    for stage in stage_params():
+        if stage.startswith("train@"):
+            assert stage.split("@")[1] in cfg["methods"], stage
+        if stage.startswith("evaluate@"):
+            assert stage.split("@")[1] in cfg["evals"], stage
