@@ -21,7 +21,7 @@ def target_config(dtype: str, path: str | Path | None = None) -> dict[str, Any]:
 
 def mtbench_first_turns(tok: Any, n: int, prompts_dir: str | Path = ROOT / "data/prompts") -> list[tuple[str, list[int]]]:
     """(id, chat-templated token ids) of the first turns of n MT-bench conversations (the prepare stage's split)."""
-    from specdistill.stages.common import load_prompts
+    from specdistill.evaluation.prompts import load_prompts
 
     out = []
     for conv in load_prompts(prompts_dir, "mtbench").select(range(n)):

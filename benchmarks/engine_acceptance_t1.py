@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from specdistill.stages.evaluate import chat_encoder, load_conversations
+    from specdistill.evaluation.prompts import chat_encoder, load_conversations
 
     target = ROOT / "models/export/target"
     encode = chat_encoder(AutoTokenizer.from_pretrained(target))

@@ -27,7 +27,7 @@ from specdistill.stages.common import environment  # noqa: E402
 def prompts(n: int, target: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from specdistill.stages.evaluate import chat_encoder, load_conversations
+    from specdistill.evaluation.prompts import chat_encoder, load_conversations
 
     encode = chat_encoder(AutoTokenizer.from_pretrained(target))
     return [encode([{"role": "user", "content": c.turns[0]}])

@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT / "src"))
 from specdistill.data.generation import GenerateConfig, generate_shard, stop_ids  # noqa: E402
 from specdistill.engine.client import engine_available  # noqa: E402
 from specdistill.engine.generation import generate_with_engine  # noqa: E402
+from specdistill.evaluation.prompts import load_prompts  # noqa: E402
 from specdistill.export.target import export_target  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment, load_prompts  # noqa: E402
+from specdistill.stages.common import environment  # noqa: E402
 
 
 def response_tokens(seq: list[int], stops: set[int]) -> int:

@@ -30,9 +30,9 @@ from specdistill.decoding.tree import DraftTree
 def record(params: dict, n: int, split: str) -> list[dict]:
     """AR's greedy answers on the evaluate stage's prompts: [{dataset, prompt, tokens}] per turn."""
     from specdistill.data.generation import stop_ids
+    from specdistill.evaluation.prompts import chat_encoder, load_conversations
     from specdistill.evaluation.runner import our_method, run_benchmark
     from specdistill.models.target import load_target
-    from specdistill.stages.evaluate import chat_encoder, load_conversations
 
     ev = params["eval"]
     data = {d: load_conversations(ROOT / "data/prompts", d, n, split, test_n=ev["num_prompts"]) for d in ("mtbench", "humaneval")}

@@ -162,7 +162,7 @@ def test_unknown_data_key_fails_at_start(tmp_path, tiny_assets, tiny_target_dir)
 
 
 def test_a_missing_prompt_split_names_the_stage_to_run(tmp_path):
-    from specdistill.stages.common import load_prompts
+    from specdistill.evaluation.prompts import load_prompts
 
     with pytest.raises(FileNotFoundError, match=r"val is missing: run the prepare stage first \(`dvc repro prepare`\)"):
         load_prompts(tmp_path, "val")

@@ -84,3 +84,19 @@ def log_folder(run: Any, folder: str | Path, name: str, kind: str = "model") -> 
     art = wandb.Artifact(name.replace("@", "-"), type=kind)
     art.add_reference(Path(folder).resolve().as_uri())
     run.log_artifact(art)
+
+
+def lightning_logger(logger_cfg: dict[str, Any] | None, run_id: str, run_name: str, group: str,
+                  config: dict[str, Any]) -> Any:
+    """Lightning's W&B logger for a train run (rank zero logs; a resumed stage continues its run by `run_id`), or
+    False when logging is off."""
+    cfg = dict(logger_cfg or {})
+    if not cfg.get("enabled", False):
+        return False
+    from lightning.pytorch.loggers import WandbLogger
+
+    os.makedirs(cfg.get("dir", "."), exist_ok=True)
+    mode = os.environ.get("WANDB_MODE", cfg.get("mode", "offline"))
+    return WandbLogger(project=cfg.get("project", "specdistill"), entity=cfg.get("entity"), group=group,
+                       job_type="train", name=run_name, tags=list(cfg.get("tags") or []), mode=mode,
+                       save_dir=cfg.get("dir", "."), id=run_id, resume="allow", config=config)

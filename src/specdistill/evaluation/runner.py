@@ -21,14 +21,9 @@ from tqdm.auto import tqdm
 from specdistill.decoding.loop import Proposer, SamplingConfig, speculative_generate
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.evaluation.accounting import Tally
+from specdistill.evaluation.prompts import Conversation  # noqa: F401 (its runs take them)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Conversation:
-    id: str
-    turns: list[str]
 
 
 @dataclass

@@ -134,13 +134,3 @@ def environment() -> dict[str, Any]:
     if not cuda:
         env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": hardware.cpu_has_native_bf16()}
     return env
-
-
-def load_prompts(prompts_dir: str | Path, split: str) -> Any:
-    """A prompt split the prepare stage wrote (a `datasets.Dataset`); a clear error when it has not run."""
-    import datasets
-
-    path = Path(prompts_dir) / split
-    if not path.is_dir():
-        raise FileNotFoundError(f"prompt split {path} is missing: run the prepare stage first (`dvc repro prepare`)")
-    return datasets.load_from_disk(str(path))

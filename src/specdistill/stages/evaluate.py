@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,17 +20,15 @@ from specdistill.decoding.eagle import EagleTreeConfig
 from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.autotune import DepthCapped, choose_depth
-from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
+from specdistill.evaluation.prompts import SPLITS, chat_encoder, load_conversations, stratified_order  # noqa: F401
+from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.records import headline_of_evaluation, metrics_files, write_record
-from specdistill.stages.common import ConfigError, check_outputs, environment, load_prompts, section
+from specdistill.stages.common import ConfigError, check_outputs, environment, section
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
-
-SPLITS = ("test", "dev")
-
 
 @dataclass
 class EvalConfig:
@@ -105,60 +102,7 @@ class EvalConfig:
                                   f"a chain by sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
 
 
-def stratified_order(categories: list[str], from_end: bool = False) -> list[int]:
-    """Row indices taking each category in turn (categories by first appearance, rows in set order, or from
-    each category's last row with `from_end`): MT-bench is stored by category, ten questions each, so its
-    first rows would all be writing prompts."""
-    by_cat: dict[str, list[int]] = {}
-    for i, c in enumerate(categories):
-        by_cat.setdefault(c, []).append(i)
-    queues = [q[::-1] if from_end else q for q in by_cat.values()]
-    return [q[r] for r in range(max(map(len, queues), default=0)) for q in queues if r < len(q)]
-
-
-def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test",
-                       test_n: int | None = None) -> list[Conversation]:
-    """n conversations of set `name`, its categories in turn: the first n rows of each category (test), or
-    the last n (dev: the same mix of categories, other prompts). Dev must not reach the `test_n` (default n)
-    test prompts that are reported: settings tuned on them would overstate the result."""
-    ds = load_prompts(prompts_dir, name)
-    categories = list(ds["category"])
-    order = stratified_order(categories)
-    if split == "test":
-        rows = order[:n]
-    elif split == "dev":
-        rows = stratified_order(categories, from_end=True)[:n]
-        reported = order[:n if test_n is None else test_n]
-        if set(rows) & set(reported):
-            raise ConfigError(f"dev split: {n} dev prompts of {name} ({len(ds)} rows) would overlap its "
-                              f"{len(reported)} test prompts; lower the dev count (eval.num_prompts, or the "
-                              "benchmark's --prompts) so that dev + test fit in the set")
-    else:
-        raise ConfigError(f"split={split!r}: use one of {SPLITS}")
-    return [Conversation(r["id"], list(r["turns"])) for r in ds.select(rows)]
-
-
 PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
-
-
-def chat_encoder(tok: Any) -> Callable[[list[dict[str, str]]], list[int]]:
-    """messages -> the token ids the target continues (its chat template, with the assistant's turn opened)."""
-    def encode(messages: list[dict[str, str]]) -> list[int]:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
-    return encode
-
-
-def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `eval` section with its item's keys over it (`evals.<eval.name or eval.method>`, the DVC item's
-    config): an item's key wins over the shared section's, and the log says where it did."""
-    shared = dict(cfg["eval"])
-    key = shared.get("name") or shared.get("method")
-    item = dict((cfg.get("evals") or {}).get(key) or {})
-    for k in sorted(set(item) & set(shared)):
-        if item[k] != shared[k] and k != "method":
-            log.info("evals.%s.%s=%r over eval.%s=%r (set evals.%s.%s to change it)", key, k, item[k], k, shared[k], key, k)
-    return {**shared, **item}
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -226,6 +170,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                      f", {spec['tokens_per_s'] / m['hf_assisted']['tokens_per_s']:.2f}x HF assisted"
                      if "hf_assisted" in m else "")
     return metrics
+
+
+def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `eval` section with its item's keys over it (`evals.<eval.name or eval.method>`, the DVC item's
+    config): an item's key wins over the shared section's, and the log says where it did."""
+    shared = dict(cfg["eval"])
+    key = shared.get("name") or shared.get("method")
+    item = dict((cfg.get("evals") or {}).get(key) or {})
+    for k in sorted(set(item) & set(shared)):
+        if item[k] != shared[k] and k != "method":
+            log.info("evals.%s.%s=%r over eval.%s=%r (set evals.%s.%s to change it)", key, k, item[k], k, shared[k], key, k)
+    return {**shared, **item}
 
 
 def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, prompts: list[list[int]],

@@ -21,6 +21,7 @@ from typing import Any
 from specdistill import methods
 from specdistill.data.generation import stop_ids
 from specdistill.decoding.verifier import TargetVerifier
+from specdistill.evaluation.prompts import load_prompts
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
@@ -31,7 +32,6 @@ from specdistill.stages.common import (
     check_outputs,
     cross_limits,
     environment,
-    load_prompts,
     section,
 )
 from specdistill.tracking import wandb_run

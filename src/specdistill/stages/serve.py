@@ -33,12 +33,12 @@ from specdistill.engine.serving import (
     speculative_config,
     summarise,
 )
+from specdistill.evaluation.prompts import chat_encoder, load_conversations
 from specdistill.export.target import ExportError, exported_fingerprint
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target, load_tokenizer
 from specdistill.records import headline_of_serving, metrics_files, write_record
 from specdistill.stages.common import ConfigError, check_outputs, environment, section
-from specdistill.stages.evaluate import chat_encoder, load_conversations
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,71 @@
+"""The evaluation prompts: a prompt split the prepare stage wrote, MT-bench and HumanEval conversations in a
+stratified order (test and a disjoint dev split), and the chat encoding the target continues. Shared by the
+evaluate and serve stages and the benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdistill.errors import ConfigError
+
+SPLITS = ("test", "dev")
+
+
+@dataclass
+class Conversation:
+    id: str
+    turns: list[str]
+
+
+def load_prompts(prompts_dir: str | Path, split: str) -> Any:
+    """A prompt split the prepare stage wrote (a `datasets.Dataset`); a clear error when it has not run."""
+    import datasets
+
+    path = Path(prompts_dir) / split
+    if not path.is_dir():
+        raise FileNotFoundError(f"prompt split {path} is missing: run the prepare stage first (`dvc repro prepare`)")
+    return datasets.load_from_disk(str(path))
+
+
+def stratified_order(categories: list[str], from_end: bool = False) -> list[int]:
+    """Row indices taking each category in turn (categories by first appearance, rows in set order, or from
+    each category's last row with `from_end`): MT-bench is stored by category, ten questions each, so its
+    first rows would all be writing prompts."""
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        by_cat.setdefault(c, []).append(i)
+    queues = [q[::-1] if from_end else q for q in by_cat.values()]
+    return [q[r] for r in range(max(map(len, queues), default=0)) for q in queues if r < len(q)]
+
+
+def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test",
+                       test_n: int | None = None) -> list[Conversation]:
+    """n conversations of set `name`, its categories in turn: the first n rows of each category (test), or
+    the last n (dev: the same mix of categories, other prompts). Dev must not reach the `test_n` (default n)
+    test prompts that are reported: settings tuned on them would overstate the result."""
+    ds = load_prompts(prompts_dir, name)
+    categories = list(ds["category"])
+    order = stratified_order(categories)
+    if split == "test":
+        rows = order[:n]
+    elif split == "dev":
+        rows = stratified_order(categories, from_end=True)[:n]
+        reported = order[:n if test_n is None else test_n]
+        if set(rows) & set(reported):
+            raise ConfigError(f"dev split: {n} dev prompts of {name} ({len(ds)} rows) would overlap its "
+                              f"{len(reported)} test prompts; lower the dev count (eval.num_prompts, or the "
+                              "benchmark's --prompts) so that dev + test fit in the set")
+    else:
+        raise ConfigError(f"split={split!r}: use one of {SPLITS}")
+    return [Conversation(r["id"], list(r["turns"])) for r in ds.select(rows)]
+
+
+def chat_encoder(tok: Any) -> Callable[[list[dict[str, str]]], list[int]]:
+    """messages -> the token ids the target continues (its chat template, with the assistant's turn opened)."""
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return encode
