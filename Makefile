@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine (README.md):
-#   make repro   create .venv, install, fetch the pinned assets, `dvc repro` the default experiment
+#   make repro   create .venv and .venv-engine, install, `dvc repro` the default experiment (fetches the assets)
 #   make test    create .venv, install, fetch the pinned assets, run the tests (fast + slow)
 # Variables: EXPERIMENT=default|cpu_full|smoke, OVERRIDES='generate.max_new_tokens=64 ...',
 #            STAGES='evaluate@eagle evaluate@eagle_lookup' (only these and what they need; default: all),
@@ -51,7 +51,7 @@ params: setup
 assets: setup
 	$(BIN)/python pipelines/fetch_assets.py
 
-repro: params
+repro: params engine
 	$(BIN)/dvc repro $(STAGES)
 
 test: setup assets engine

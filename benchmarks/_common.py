@@ -19,7 +19,8 @@ def target_config(dtype: str, path: str | Path | None = None) -> dict[str, Any]:
     return {**cfg, "name_or_path": str(path or ROOT / cfg["name_or_path"]), "dtype": dtype}
 
 
-def mtbench_first_turns(tok: Any, n: int, prompts_dir: str | Path = ROOT / "data/prompts") -> list[tuple[str, list[int]]]:
+def mtbench_first_turns(tok: Any, n: int,
+                        prompts_dir: str | Path = ROOT / "data/prompts") -> list[tuple[str, list[int]]]:
     """(id, chat-templated token ids) of the first turns of n MT-bench conversations (the prepare stage's split)."""
     from specdistill.evaluation.prompts import load_prompts
 

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.decoding.proposers import DraftLMProposer  # noqa: E402
+from specdistill.hardware import environment
 from specdistill.models.draft_lm import DraftSize, build_draft  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment  # noqa: E402
 
 
 @torch.inference_mode()
@@ -53,7 +53,8 @@ def main() -> None:
     args = ap.parse_args()
     target = load_target(target_config(args.dtype))
     dtype = target.dtype
-    context = torch.randint(100, target.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    context = torch.randint(100, target.vocab_size, (args.context,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
     rows = {"target (30 layers, full head)": step_ms(target.model, context, args.steps)}
     d2t = torch.arange(args.vocab)  # which ids does not change the cost
     for name, layers in (("xs", 1), ("s", 2), ("m", 4)):

@@ -43,7 +43,8 @@ def main() -> None:
     res = run_engine({"target": str(target), "dtype": args.dtype, "max_model_len": 2048, "runs": runs,
                       "speculative_config": {"method": "eagle3", "model": str(ROOT / "models/export/eagle"),
                                              "num_speculative_tokens": args.k,
-                                             **({"draft_sample_method": "probabilistic"} if args.probabilistic else {})}},
+                                             **({"draft_sample_method": "probabilistic"}
+                                                if args.probabilistic else {})}},
                      root=ROOT)
     for r in res["runs"]:
         s = r["spec"]

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.engine.client import run_engine  # noqa: E402
-from specdistill.stages.common import environment  # noqa: E402
+from specdistill.hardware import environment
 
 
 def prompts(n: int, target: Path) -> list[list[int]]:

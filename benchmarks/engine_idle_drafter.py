@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from engine_env import prompts  # noqa: E402
 
 from specdistill.engine.client import SKIP_IDLE_DRAFTER, run_engine  # noqa: E402
-from specdistill.stages.common import environment  # noqa: E402
+from specdistill.hardware import environment
 
 IDLE = {SKIP_IDLE_DRAFTER: "1"}
 
@@ -61,7 +61,8 @@ def main() -> None:
                 print(f"round {rep + 1} {label:32s} {r['name']:>4s} {rates[label][r['name']][-1]:8.2f} tokens/s",
                       flush=True)
     alone = {c: statistics.fmean(v) for c, v in rates["alone"].items()}
-    print(json.dumps({"tokens_per_s": {s: {c: [round(x, 2) for x in v] for c, v in by.items()} for s, by in rates.items()},
+    print(json.dumps({"tokens_per_s": {s: {c: [round(x, 2) for x in v] for c, v in by.items()}
+                                       for s, by in rates.items()},
                       "over_alone": {s: {c: round(statistics.fmean(v) / alone[c], 3) for c, v in by.items()}
                                      for s, by in rates.items()},
                       "settings": vars(args) | {"target": str(args.target), "draft": str(args.draft)},

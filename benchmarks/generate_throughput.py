@@ -27,13 +27,16 @@ from _common import target_config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from specdistill.data.generation import GenerateConfig, generate_shard, stop_ids  # noqa: E402
+from specdistill.data.generation import GenerateConfig, generate_shard  # noqa: E402
 from specdistill.engine.client import engine_available  # noqa: E402
 from specdistill.engine.generation import generate_with_engine  # noqa: E402
 from specdistill.evaluation.prompts import load_prompts  # noqa: E402
 from specdistill.export.target import export_target  # noqa: E402
-from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment  # noqa: E402
+from specdistill.hardware import environment
+from specdistill.models.target import (
+    load_target,  # noqa: E402
+    stop_ids,  # noqa: E402
+)
 
 
 def response_tokens(seq: list[int], stops: set[int]) -> int:
@@ -136,7 +139,8 @@ def main() -> None:
         n, after = engine_generate(model, tok, prompts, cfg, stops, args.dtype, workers)
         dt = time.perf_counter() - t0
         results[f"vllm_w{workers}"] = {"tokens": n, "seconds": round(dt, 2), "tokens_per_s": round(n / dt, 1),
-                                       "after_start_s": round(after, 2), "after_start_tokens_per_s": round(n / after, 1)}
+                                       "after_start_s": round(after, 2),
+                                       "after_start_tokens_per_s": round(n / after, 1)}
         print(f"vllm_w{workers:<6d} {n:6d} tokens in {dt:7.1f} s = {n / dt:7.1f} tokens/s; after its cold start "
               f"{n / after:7.1f} tokens/s", flush=True)
 

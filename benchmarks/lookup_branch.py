@@ -7,11 +7,14 @@ Runs the evaluate stage's benchmark (MT-bench both turns and HumanEval, the orde
 prompt to prompt) at T=0 with AR and every variant, so each speed-up divides by the AR of the same run,
 and prints tau, speed-up (jackknife-t 95% interval) and the draft / verify seconds per variant and set.
 A variant is `eagle`, `medusa`, `lookup`, `u:<nodes>:<lookup_k>:<min_ngram>[:<depth>:<top_k>]`: the union of a
-dynamic EAGLE tree of <nodes> nodes (depth / top_k by default 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) and a lookup chain, or
+dynamic EAGLE tree of <nodes> nodes (depth / top_k by default 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) \
+and a lookup chain, or
 `m:<lookup_k>:<min_ngram>`: Medusa's saved tree of eval.medusa_budget nodes and a lookup chain (is the branch
 EAGLE's edge, or does every deterministic tree gain as much?). A `+b<N>` suffix on `lookup`, `u:` or `m:` makes
-the lookup draft a tree of N sibling chains (`eval.lookup_branches`), e.g. `lookup+b2`, `u:8:8:1+b2`. It runs on the dev prompts by default (`eval.split`):
-choose settings there, then report them on the test prompts with the evaluate stage. Needs `dvc repro prepare train@eagle` (and
+the lookup draft a tree of N sibling chains (`eval.lookup_branches`), e.g. `lookup+b2`, `u:8:8:1+b2`. \
+It runs on the dev prompts by default (`eval.split`):
+choose settings there, then report them on the test prompts with the evaluate stage. \
+Needs `dvc repro prepare train@eagle` (and
 `train@medusa` for the Medusa variants) first. The README's lookup-branch choices come from it.
 """
 
@@ -20,11 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 from _common import ROOT, target_config
 
-from specdistill.data.generation import stop_ids
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.medusa import MedusaProposer
 from specdistill.decoding.proposers import PromptLookupProposer
@@ -34,8 +37,7 @@ from specdistill.evaluation.runner import our_method, run_benchmark
 from specdistill.methods.medusa import choices as medusa_choices
 from specdistill.models.eagle import load_eagle
 from specdistill.models.medusa import load_medusa
-from specdistill.models.target import load_target
-from specdistill.stages.evaluate import EvalConfig
+from specdistill.models.target import load_target, stop_ids
 
 DEFAULT = ["eagle", "lookup", "u:8:4:1", "u:8:8:1", "u:8:8:2", "u:8:12:1", "u:6:8:1", "u:12:8:1"]
 
@@ -65,7 +67,8 @@ def parse(name: str) -> tuple[str, tuple[int, ...], int]:
     except ValueError:
         numbers = ()
     if (kind, len(numbers)) not in (("u", 3), ("u", 5), ("m", 2)) or min(numbers) < 1:
-        raise SystemExit(f"variant {name!r}: use eagle, medusa, lookup, u:<nodes>:<lookup_k>:<min_ngram>[:<depth>:<top_k>] or "
+        raise SystemExit(f"variant {name!r}: use eagle, medusa, lookup, "
+                         "u:<nodes>:<lookup_k>:<min_ngram>[:<depth>:<top_k>] or "
                          "m:<lookup_k>:<min_ngram> (positive integers), with +b<N> for N lookup chains")
     return kind, numbers, branches
 
@@ -79,7 +82,8 @@ def main() -> None:
                     help="prompts to run: dev (default; tune here) or test (the evaluate stage's, to report)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT)
     ap.add_argument("--params", default=str(ROOT / "params.yaml"),
-                    help="the composed config whose eval settings to use (e.g. one `make params EXPERIMENT=cpu_full` wrote); "
+                    help="the composed config whose eval settings to use "
+                         "(e.g. one `make params EXPERIMENT=cpu_full` wrote); "
                          "the target and the prompts are still this checkout's")
     ap.add_argument("--out", default=None, help="also write the summary as JSON here")
     args = ap.parse_args()
@@ -99,8 +103,10 @@ def main() -> None:
     if used & {"eagle", "u"}:
         head = load_eagle(args.eagle, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
     if used & {"medusa", "m"}:
-        heads = load_medusa(args.medusa, dtype=model.dtype, target_fingerprint=target.fingerprint, target=model).to(target.device)
-        choices = medusa_choices(EvalConfig(method="medusa", medusa_path=args.medusa, medusa_budget=ev["medusa_budget"]))
+        heads = load_medusa(args.medusa, dtype=model.dtype, target_fingerprint=target.fingerprint,
+                            target=model).to(target.device)
+        choices = medusa_choices(SimpleNamespace(medusa_choices=None, medusa_path=args.medusa,
+                                                        medusa_budget=ev["medusa_budget"]))
 
     def variant(name: str):
         kind, numbers, branches = kinds[name]
@@ -122,15 +128,18 @@ def main() -> None:
 
     stops = stop_ids(model, tok)
     max_pos = 16  # acceptance by position is tallied up to here (unprinted)
-    methods = [our_method(v, model, None if v == "ar" else variant(v), ev["max_new_tokens"], stops, ev["capacity"], max_pos)
+    methods = [our_method(v, model, None if v == "ar" else variant(v), ev["max_new_tokens"], stops,
+                          ev["capacity"], max_pos)
                for v in ["ar", *args.variants]]
     res = run_benchmark(methods, data, [0.0], 1.0, 0, chat_encoder(tok), tok.decode, ev["seed"])
     out = {}
     for (dataset, _, name), tally in sorted(res.tallies.items()):
         s = tally.summary(res.tallies[(dataset, "T0", "ar")])
-        out.setdefault(dataset, {})[name] = {k: s.get(k) for k in ("tau", "speedup", "speedup_ci95", "draft_s", "verify_s")}
+        out.setdefault(dataset, {})[name] = {k: s.get(k)
+                                             for k in ("tau", "speedup", "speedup_ci95", "draft_s", "verify_s")}
         ci = s.get("speedup_ci95") or [float("nan")] * 2
-        print(f"{dataset:9s} {name:10s} tau {s.get('tau', 1):.2f}  {s.get('speedup', 1):.2f}x ({ci[0]:.2f}-{ci[1]:.2f})  "
+        print(f"{dataset:9s} {name:10s} tau {s.get('tau', 1):.2f}  {s.get('speedup', 1):.2f}x "
+              f"({ci[0]:.2f}-{ci[1]:.2f})  "
               f"draft {s.get('draft_s', 0):.2f} s  verify {s.get('verify_s', 0):.2f} s")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

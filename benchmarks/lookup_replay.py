@@ -22,22 +22,22 @@ from pathlib import Path
 import yaml
 from _common import ROOT, target_config
 
-from specdistill.decoding.loop import SamplingConfig
 from specdistill.decoding.proposers import PromptLookupProposer
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
 
 
 def record(params: dict, n: int, split: str) -> list[dict]:
     """AR's greedy answers on the evaluate stage's prompts: [{dataset, prompt, tokens}] per turn."""
-    from specdistill.data.generation import stop_ids
     from specdistill.evaluation.prompts import chat_encoder, load_conversations
     from specdistill.evaluation.runner import our_method, run_benchmark
     from specdistill.models.target import load_target
 
     ev = params["eval"]
-    data = {d: load_conversations(ROOT / "data/prompts", d, n, split, test_n=ev["num_prompts"]) for d in ("mtbench", "humaneval")}
+    data = {d: load_conversations(ROOT / "data/prompts", d, n, split, test_n=ev["num_prompts"])
+            for d in ("mtbench", "humaneval")}
     target = load_target(target_config(params["target"]["dtype"]))
-    ar = our_method("ar", target.model, None, ev["max_new_tokens"], stop_ids(target.model, target.tokenizer), ev["capacity"], 1)
+    ar = our_method("ar", target.model, None, ev["max_new_tokens"], target.stop_ids, ev["capacity"], 1)
     turns: list[dict] = []
     generate = ar.generate
 
@@ -81,17 +81,20 @@ def replay(turn: dict, proposer: PromptLookupProposer, max_new_tokens: int) -> t
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", default=str(ROOT / "params.yaml"), help="the composed config whose eval settings to use")
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"),
+                    help="the composed config whose eval settings to use")
     ap.add_argument("--prompts", type=int, default=None, help="per set (default: the params' eval.num_prompts)")
     ap.add_argument("--split", choices=("dev", "test"), default="dev")
-    ap.add_argument("--variants", nargs="+", default=["8:1", "8:2", "8:3", "16:1", "32:1"], help="<lookup_k>:<branches>")
+    ap.add_argument("--variants", nargs="+", default=["8:1", "8:2", "8:3", "16:1", "32:1"],
+                    help="<lookup_k>:<branches>")
     ap.add_argument("--answers", default=None, help="AR's answers as JSON: read if it exists, else written")
     args = ap.parse_args()
     try:
         variants = {v: tuple(int(x) for x in v.split(":")) for v in args.variants}
         assert all(len(kb) == 2 and min(kb) >= 1 for kb in variants.values())
     except (ValueError, AssertionError):
-        raise SystemExit(f"--variants {args.variants}: each is <lookup_k>:<branches>, positive integers, e.g. 8:2") from None
+        raise SystemExit(f"--variants {args.variants}: each is <lookup_k>:<branches>, "
+                         "positive integers, e.g. 8:2") from None
     params = yaml.safe_load(Path(args.params).read_text())
     ev = params["eval"]
     answers = Path(args.answers) if args.answers else None
@@ -109,7 +112,8 @@ def main() -> None:
                 a, f, n = replay(turn, proposer, ev["max_new_tokens"])
                 tokens, forwards, nodes = tokens + a, forwards + f, nodes + n
             rounds = max(forwards - sum(t["dataset"] == dataset for t in turns), 1)
-            print(f"{dataset:9s} lookup k={k:<3d} branches={branches}  tau {tokens / forwards:.3f}  nodes/round {nodes / rounds:.2f}")
+            print(f"{dataset:9s} lookup k={k:<3d} branches={branches}  tau {tokens / forwards:.3f}  "
+                  f"nodes/round {nodes / rounds:.2f}")
 
 
 if __name__ == "__main__":

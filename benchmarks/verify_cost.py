@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
 from specdistill.evaluation.autotune import binary_tree, verify_seconds  # noqa: E402
+from specdistill.hardware import environment
 from specdistill.models.target import load_target  # noqa: E402
-from specdistill.stages.common import environment  # noqa: E402
 
 
 def main() -> None:

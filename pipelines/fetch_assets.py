@@ -1,4 +1,5 @@
-"""Stage `fetch_assets`: see `specdistill.stages.fetch_assets`. `python pipelines/fetch_assets.py --help` lists the config."""
+"""Stage `fetch_assets`: see `specdistill.stages.fetch_assets`. \
+`python pipelines/fetch_assets.py --help` lists the config."""
 
 from _entry import stage_main
 

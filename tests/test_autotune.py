@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.proposers import DraftLMProposer
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
+from specdistill.errors import ConfigError
 from specdistill.evaluation.autotune import DepthCapped, Pilot, chain_tree, predict, verify_seconds
 from specdistill.records import read_record
 from specdistill.stages import evaluate as evaluate_stage
-from specdistill.stages.common import ConfigError
-from tests.conftest import make_model
+
+from .helpers.models import make_model
 
 
 def pilot(accepted, draft_s, nodes):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted(p for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+SCRIPTS = sorted(p for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")
+                 if not p.name.startswith("_"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
@@ -30,16 +31,18 @@ def test_lookup_replay_equals_real_decoding_along_the_same_answer(branches, tiny
     from specdistill.decoding.proposers import PromptLookupProposer
     from specdistill.decoding.verifier import TargetVerifier
 
-    from .conftest import make_model
+    from .helpers.models import make_model
     target = make_model(len(tiny_tokenizer), seed=0)
     proposer = PromptLookupProposer(k=4, branches=branches)
     gained = 0
-    for prompt, stops in (([1, 5, 9, 13, 5, 9, 40], set()), ([1, 77, 3, 12, 77, 3], set()), ([1, 200, 201, 202, 200, 201], set()),
+    for prompt, stops in (([1, 5, 9, 13, 5, 9, 40], set()), ([1, 77, 3, 12, 77, 3], set()),
+                          ([1, 200, 201, 202, 200, 201], set()),
                           ([1, 5, 9, 13, 5, 9, 40], {9, 13})):  # the last one stops early: the budget is max_new_tokens
         ar = speculative_generate(TargetVerifier(target, 128), None, prompt, 40, stops)
         spec = speculative_generate(TargetVerifier(target, 128), proposer, prompt, 40, stops)
         assert spec.tokens == ar.tokens
         tokens, forwards, nodes = replay({"prompt": prompt, "tokens": ar.tokens}, proposer, 40)
-        assert (tokens, forwards, nodes) == (len(spec.tokens), spec.target_forwards, sum(r.draft_len for r in spec.rounds))
+        assert (tokens, forwards, nodes) == (len(spec.tokens), spec.target_forwards,
+                                             sum(r.draft_len for r in spec.rounds))
         gained += spec.target_forwards < len(spec.tokens)
     assert gained  # lookup was accepted somewhere: the comparison covered accepted drafts, not only empty rounds

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .test_config import composed
+from .helpers.config import composed
 
 
 def sections() -> list[tuple[str, type, dict[str, Any]]]:
@@ -34,14 +34,17 @@ def sections() -> list[tuple[str, type, dict[str, Any]]]:
            ("generate", GenerateConfig, cfg["generate"]), ("data", PrepareConfig, cfg["data"]),
            ("data.source", SourceConfig, cfg["data"]["source"]), ("serve", ServeConfig, cfg["serve"]),
            # the model's own names (which file, which commit) are the target file's, never a dataclass's
-           ("target", TargetConfig, {k: v for k, v in cfg["target"].items() if k not in ("name_or_path", "gguf_file")}), ("online", OnlineConfig, cfg["online"]),
+           ("target", TargetConfig, {k: v for k, v in cfg["target"].items() if k not in ("name_or_path", "gguf_file")}),
+           ("online", OnlineConfig, cfg["online"]),
            ("eval", EvalConfig, cfg["eval"]), ("eval.eagle_tree", EagleTreeConfig, cfg["eval"]["eagle_tree"]),
            ("export", ExportConfig, cfg["export"])]
     for key, m in cfg["methods"].items():
-        method = methods.get(m["name"], "train")
+        method = methods.REGISTRY[m["name"]]
         if key != m["name"] or _default({f.name: f for f in dataclasses.fields(method.config)}["name"]) != key:
             continue  # a variant (draft_ce, eagle31; eagle1 of EAGLE-3's class) differs from its base by design
         out.append((f"methods.{key}", method.config, m))
+        if "loss" not in m:  # a method that trains nothing (suffix decoding) has no loss
+            continue
         out.append((f"methods.{key}.loss", LossConfig, m["loss"]))
         if "draft" in m:
             out.append((f"methods.{key}.draft", DraftSize, m["draft"]))
@@ -62,7 +65,7 @@ def interpolated() -> set[str]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from .test_config import ROOT
+    from .helpers.project import ROOT
 
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         raw = OmegaConf.to_container(compose("config", overrides=["~experiment"]), resolve=False)

@@ -14,19 +14,17 @@ import pytest
 import torch
 
 import specdistill.decoding.loop as loop
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
-from specdistill.decoding.tree import DraftTree
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.decoding.verify import verify_sampling
 from specdistill.models.hidden import HiddenTap
 from specdistill.models.kv_cache import PreallocatedCache
-from specdistill.sampling import sample, warp
 
-from .conftest import make_model
-from .stats import chi2_p
-
-V = 8  # bigram vocabulary
+from .helpers.decoding import PROMPTS, BigramProposer, exact_marginals, plain_greedy, tables
+from .helpers.models import make_model
+from .helpers.stats import chi2_p
 
 
 class BigramVerifier:
@@ -48,50 +46,6 @@ class BigramVerifier:
         pass
 
 
-class BigramProposer:
-    """Chain: K tokens sampled from the draft table. Tree: per depth, i.i.d. samples or top-b (deterministic)."""
-
-    def __init__(self, table, k=3, branching=None, iid=False):
-        self.table, self.k, self.branching, self.iid = table, k, branching, iid
-
-    def reset(self):
-        pass
-
-    def propose(self, context, max_depth, sampling, generator, features=None):
-        warp_ = functools.partial(warp, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        if self.branching is None:
-            toks, qs, last = [], [], context[-1]
-            for _ in range(min(self.k, max_depth)):
-                q = warp_(self.table[last])
-                last = int(sample(q, generator))
-                toks.append(last)
-                qs.append(q)
-            return DraftTree.chain(toks, torch.stack(qs))
-        toks, parents, qs, frontier = [], [], [], [(-1, context[-1])]
-        for b in self.branching[:max_depth]:
-            nxt = []
-            for node, tok in frontier:
-                q = warp_(self.table[tok])
-                picks = [int(sample(q, generator)) for _ in range(b)] if self.iid else torch.topk(q, b).indices.tolist()
-                for x in picks:
-                    toks.append(x)
-                    parents.append(node)
-                    qs.append(q)
-                    nxt.append((len(toks) - 1, x))
-            frontier = nxt
-        return DraftTree(torch.tensor(toks), torch.tensor(parents), torch.stack(qs) if self.iid else None)
-
-
-def exact_marginals(table, first_logits, sampling, steps):
-    P = warp(table, sampling.temperature, sampling.top_p, sampling.top_k).double()
-    m = warp(first_logits, sampling.temperature, sampling.top_p, sampling.top_k).double()
-    out = [m]
-    for _ in range(steps - 1):
-        m = m @ P
-        out.append(m)
-    return out
-
-
 def sampled_positions(proposer, table, sampling, n=20_000, new=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     ver = BigramVerifier(table)
@@ -101,29 +55,13 @@ def sampled_positions(proposer, table, sampling, n=20_000, new=3, seed=0):
     return draws
 
 
-
-@pytest.fixture
-def one_thread():
-    """Thousands of ops on 8-entry tensors: OpenMP's thread hand-off costs more than the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tables(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    target = torch.randn(V, V, generator=g) * 1.5
-    draft = torch.randn(V, V, generator=g) * 1.5  # deliberately unrelated to the target
-    return target, draft
-
-
 SAMPLINGS = [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9)]
 
 
 @pytest.mark.parametrize(("shape", "sampling"), [
     ("chain", SAMPLINGS[0]), ("chain", SAMPLINGS[1]), ("topk_tree", SAMPLINGS[0]), ("topk_tree", SAMPLINGS[1]),
-    ("iid_tree", SAMPLINGS[0])], ids=["chain-T1", "chain-T0.7-p0.9", "topk_tree-T1", "topk_tree-T0.7-p0.9", "iid_tree-T1"])
+    ("iid_tree", SAMPLINGS[0])], ids=["chain-T1", "chain-T0.7-p0.9", "topk_tree-T1", "topk_tree-T0.7-p0.9",
+                                      "iid_tree-T1"])
 def test_samples_follow_the_target_distribution(shape, sampling, one_thread):
     target, draft = tables()
     proposer = {"chain": BigramProposer(draft, k=3),
@@ -148,21 +86,13 @@ def test_the_test_fails_when_the_rule_is_broken(shape, monkeypatch, one_thread):
 
 # --- real (tiny) HF models --------------------------------------------------------------------------
 
-PROMPTS = [[1, 5, 9, 13, 40, 41], [1, 77, 3, 12], [1, 200, 201, 202, 203, 204, 205, 206]]
-
-
-def plain_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=2,
-                         eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def models(tiny_tokenizer):
     v = len(tiny_tokenizer)
     half = make_model(v, seed=0)  # the target with a noisy head: agrees on some tokens, not all
     with torch.no_grad():
-        half.lm_head.weight.add_(torch.randn(half.lm_head.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.06)
+        half.lm_head.weight.add_(torch.randn(half.lm_head.weight.shape,
+                                             generator=torch.Generator().manual_seed(5)) * 0.06)
     return make_model(v, seed=0), make_model(v, seed=0), make_model(v, seed=123, layers=1), half
 
 
@@ -182,14 +112,16 @@ def test_greedy_equals_plain_greedy(models, draft_kind, shape):
 
 
 def test_lookup_tree_holds_the_latest_longest_match_first_then_other_first_tokens():
+    # "0 3" at 1 (then 5 1 3), "3" also at 5 (then 2 6 0) and 2 (then 5: a repeat)
     #          0  1  2  3  4  5  6  7  8  9
-    context = [7, 0, 3, 5, 1, 3, 2, 6, 0, 3]  # "0 3" at 1 (then 5 1 3), "3" also at 5 (then 2 6 0) and 2 (then 5: a repeat)
+    context = [7, 0, 3, 5, 1, 3, 2, 6, 0, 3]
     greedy = SamplingConfig()
     one = PromptLookupProposer(k=3, max_ngram=2).propose(context, 8, greedy, None)
     assert one.is_chain and one.tokens.tolist() == [5, 1, 3]  # branches=1: the single-chain proposer as before
     tree = PromptLookupProposer(k=3, max_ngram=2, branches=3).propose(context, 8, greedy, None)
     assert tree.tokens.tolist() == [5, 1, 3, 2, 6, 0] and tree.parents.tolist() == [-1, 0, 1, -1, 3, 4]
-    assert PromptLookupProposer(k=3, max_ngram=2, branches=3).propose(context, 2, greedy, None).tokens.tolist() == [5, 1, 2, 6]
+    assert PromptLookupProposer(k=3, max_ngram=2,
+                                branches=3).propose(context, 2, greedy, None).tokens.tolist() == [5, 1, 2, 6]
     assert PromptLookupProposer(k=3, branches=2).propose([4, 5, 6], 8, greedy, None) is None  # no match: no draft
     with pytest.raises(ValueError, match="branches"):
         PromptLookupProposer(branches=0)

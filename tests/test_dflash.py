@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from specdistill.decoding.dflash import DFlashProposer
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.models.dflash import (
     MASK,
-    DFlashConfig,
     DFlashDrafter,
     build_dflash,
     load_dflash,
@@ -24,19 +24,13 @@ from specdistill.records import read_record
 from specdistill.stages import train as train_stage
 from specdistill.training.dflash import all_anchors, anchor_candidates, block_inputs, sample_anchors
 
-from .conftest import make_model, save_mtbench
-from .stats import chi2_p
-from .test_decoding import PROMPTS, V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
-from .test_eagle import target_features
-from .test_medusa import FeatureBigramVerifier
-from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
+from .helpers.data import save_mtbench
+from .helpers.decoding import PROMPTS, FeatureBigramVerifier, exact_marginals, plain_greedy, tables
+from .helpers.drafts import bigram_drafter, target_features
+from .helpers.stats import chi2_p
+from .helpers.train import composed, overrides
 
 LAYERS = [0, 1, 2]  # the tiny target has 2 layers
-
-
-@pytest.fixture(scope="module")
-def target(tiny_tokenizer):
-    return make_model(len(tiny_tokenizer), seed=0)
 
 
 def random_drafter(target, d2t=None, block=5, seed=0, scale=0.2) -> DFlashDrafter:
@@ -48,25 +42,12 @@ def random_drafter(target, d2t=None, block=5, seed=0, scale=0.2) -> DFlashDrafte
     return drafter.eval()
 
 
-def bigram_drafter(block: int = 4) -> DFlashDrafter:
-    """A random drafter over the bigram vocabulary (test_decoding), for FeatureBigramVerifier's one-hot states."""
-    cfg = DFlashConfig(hidden_size=V, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                       num_layers=1, block_size=block, vocab_size=V, feature_layers=[1], max_position_embeddings=64)
-    g = torch.Generator().manual_seed(0)
-    embed = torch.nn.Embedding(V, V)
-    drafter = DFlashDrafter(cfg, embed)
-    with torch.no_grad():
-        embed.weight.copy_(torch.randn(V, V, generator=g))
-        for p in drafter.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return drafter.eval()
-
-
 def test_anchors_are_response_tokens_followed_by_a_scored_one():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
     valid = anchor_candidates(loss_mask)
     # x_p is a response token (p - 1 scored) and x_{p+1} is scored (p scored)
-    assert valid.tolist() == [[False, False, False, True, True, False, False], [False, False, True, False, False, False, False]]
+    assert valid.tolist() == [[False, False, False, True, True, False, False],
+                              [False, False, True, False, False, False, False]]
     pos, real = all_anchors(valid)
     assert pos[0].tolist() == [3, 4] and real.tolist() == [[True, True], [True, False]] and pos[1, 0] == 2
     pos, real = sample_anchors(valid, 5, torch.Generator().manual_seed(0))
@@ -110,8 +91,8 @@ def test_greedy_equals_the_targets_greedy(target, branching):
     drafter = random_drafter(target, torch.arange(0, 300, 3))
     for prompt in PROMPTS:
         proposer = DFlashProposer(drafter, branching=branching)
-        res = speculative_generate(TargetVerifier(target, 128, feature_layers=proposer.feature_layers), proposer, prompt,
-                                   20, set())
+        res = speculative_generate(TargetVerifier(target, 128, feature_layers=proposer.feature_layers), proposer,
+                                   prompt, 20, set())
         assert res.tokens == plain_greedy(target, prompt, 20), prompt
 
 
@@ -143,7 +124,7 @@ def test_save_load_and_refusals(tmp_path, target):
 
 
 @pytest.mark.parametrize(("loss", "weights"), [("fkl", "decay"), ("tvd", "dpace")])
-def test_fast_dev_run_dflash(tmp_path, tiny_target_dir, generated, loss, weights):  # noqa: F811
+def test_fast_dev_run_dflash(tmp_path, tiny_target_dir, generated, loss, weights):
     cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "method=dflash", f"loss={loss}",
                               "+trainer.fast_dev_run=2", "methods.dflash.vocab_size=128", "methods.dflash.block_size=4",
                               "methods.dflash.feature_layers=[0,1,2]", "methods.dflash.anchors=4",
@@ -162,7 +143,7 @@ def test_evaluate_stage_runs_dflash(tmp_path, tiny_target_dir, monkeypatch):
     from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import evaluate as evaluate_stage
 
-    from .test_eagle import greedy_texts
+    from .helpers.evaluate import greedy_texts
 
     save_mtbench(tmp_path / "prompts")
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))

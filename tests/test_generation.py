@@ -14,51 +14,14 @@ import datasets
 import pytest
 import torch
 
-from specdistill.data.generation import GenerateConfig, generate_shard, shard_name, stop_ids
+from specdistill.data.generation import GenerateConfig, generate_shard, shard_name
 from specdistill.data.prompts import apply_template
+from specdistill.models.target import stop_ids
 from specdistill.records import read_record
 from specdistill.stages import generate as generate_stage
-from specdistill.stages.prepare import save_split
 
-from .conftest import ROOT
-
-QUESTIONS = ["Write a poem about the sea.", "What is the capital of France?", "def add(a, b):",
-             "Explain speculative decoding.", "The quick brown fox", "Write a poem about the sky and the sea.",
-             "What is", "Explain the lazy dog to a child in three sentences please."]
-
-
-def make_prompts(tok, folder: Path, n_train: int = 20, n_val: int = 6) -> None:
-    def rows(n, tag):
-        out = []
-        for i in range(n):
-            msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({tag} {i})"}]
-            prompt, n_tok = apply_template(tok, msgs)
-            out.append({"id": f"{tag}-{i}", "messages": msgs, "source": "test", "category": "single_turn",
-                        "reference": "Paris is the capital of France.", "turns": [msgs[0]["content"]],
-                        "prompt": prompt, "prompt_tokens": n_tok})
-        return out
-
-    save_split(rows(n_train, "train"), folder / "train")
-    save_split(rows(n_val, "val"), folder / "val")
-
-
-def stage_cfg(target_dir: Path, tmp: Path, **gen) -> dict:
-    g = {"source": "target", "splits": ["train", "val"], "temperature": 1.0, "top_p": 0.9, "top_k": 0,
-         "max_new_tokens": 12, "batch_size": 4, "shard_size": 5, "topk_logprobs": 0, "compact_below": 0.75,
-         "seed": 7}
-    g.update(gen)
-    return {"experiment_name": "test", "seed": 7,
-            "paths": {"prompts_dir": str(tmp / "prompts"), "generated_dir": str(tmp / "generated"),
-                      "metrics_dir": str(tmp / "metrics")},
-            "target": {"name_or_path": str(target_dir), "gguf_file": None, "revision": None, "dtype": "float32",
-                       "device": "cpu", "trust_remote_code": False, "attn_implementation": "sdpa",
-                       "num_threads": None},
-            "generate": g, "logger": {"enabled": False}}
-
-
-def read_split(folder: Path) -> datasets.Dataset:
-    shards = sorted(folder.glob("shard-*"))
-    return datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
+from .helpers.generation import QUESTIONS, make_prompts, read_split, stage_cfg
+from .helpers.project import ROOT
 
 
 @pytest.fixture
@@ -224,7 +187,8 @@ def test_interrupted_write_leaves_no_half_shard_and_resumes(workdir, tiny_target
     m = generate_stage.run(cfg)
     assert m["this_run"]["shards"] == 4  # train shards 2 and 3, val shards 0 and 1
     # the manifest's totals add up every shard, whichever run made it
-    assert m["generation"]["new_tokens"] == sum(len(x) - p for x, p in zip(whole["input_ids"], whole["prompt_len"], strict=True)) + \
+    assert m["generation"]["new_tokens"] == \
+        sum(len(x) - p for x, p in zip(whole["input_ids"], whole["prompt_len"], strict=True)) + \
         sum(len(x) - p for x, p in zip(read_split(workdir / "generated/val")["input_ids"],
                                       read_split(workdir / "generated/val")["prompt_len"], strict=True))
     assert read_split(out)["input_ids"] == whole["input_ids"]

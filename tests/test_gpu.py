@@ -16,19 +16,21 @@ import pytest
 import torch
 
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
-from specdistill.decoding.medusa import MedusaProposer, grow_tree
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.medusa import MedusaProposer
 from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.union import UnionProposer
 from specdistill.decoding.verifier import TargetVerifier
+from specdistill.models.medusa_tree import grow_tree
 from specdistill.stages import train as train_stage
 
-from .conftest import make_model, save_mtbench
-from .stats import chi2_p
-from .test_decoding import PROMPTS
-from .test_eagle import random_head
-from .test_medusa import random_heads
-from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
+from .helpers.data import save_mtbench
+from .helpers.decoding import PROMPTS
+from .helpers.drafts import random_head, random_heads
+from .helpers.models import make_model
+from .helpers.stats import chi2_p
+from .helpers.train import composed, overrides
 
 DEVICE = os.environ.get("SPECDISTILL_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -63,7 +65,8 @@ def proposers(target):
         "eagle3-static": EagleProposer(eagle3, EagleTreeConfig(shape="static", branching=[3, 2, 1]), capacity=128),
         "eagle3-dynamic": EagleProposer(eagle3, dynamic, capacity=128),
         "eagle1-dynamic": EagleProposer(eagle1, dynamic, capacity=128),
-        "eagle3+lookup": UnionProposer(EagleProposer(eagle3, dynamic, capacity=128), PromptLookupProposer(k=4, min_ngram=1)),
+        "eagle3+lookup": UnionProposer(EagleProposer(eagle3, dynamic, capacity=128),
+                                       PromptLookupProposer(k=4, min_ngram=1)),
     }
 
 
@@ -83,7 +86,8 @@ def test_sampling_at_temperature_one_follows_the_target_on_the_device(target, na
     with torch.no_grad():
         first = torch.softmax(target(torch.tensor([prompt], device=DEVICE)).logits[0, -1].double(), -1)
         v = first.shape[0]
-        rows = torch.cat([torch.tensor(prompt, device=DEVICE).expand(v, -1), torch.arange(v, device=DEVICE)[:, None]], 1)
+        rows = torch.cat([torch.tensor(prompt, device=DEVICE).expand(v, -1),
+                          torch.arange(v, device=DEVICE)[:, None]], 1)
         second = first @ torch.softmax(target(rows).logits[:, -1].double(), -1)
     proposer = proposers(target)[name]
     ver = TargetVerifier(target, capacity=64, feature_layers=getattr(proposer, "feature_layers", ()))
@@ -95,7 +99,7 @@ def test_sampling_at_temperature_one_follows_the_target_on_the_device(target, na
 
 
 @pytest.mark.parametrize("method", ["draft", "medusa", "eagle", "eagle1"])
-def test_train_fast_dev_run_bf16_mixed_on_the_device(tmp_path, tiny_target_dir, generated, method):  # noqa: F811
+def test_train_fast_dev_run_bf16_mixed_on_the_device(tmp_path, tiny_target_dir, generated, method):
     extra = {"draft": [], "medusa": ["methods.medusa.num_heads=3", "methods.medusa.tree_budgets=[4]"],
              "eagle": ["methods.eagle.feature_layers=[0,1,2]"], "eagle1": ["methods.eagle1.feature_layers=[2]"]}[method]
     extra.append(f"methods.{method}.vocab_size=128")
@@ -142,7 +146,8 @@ def test_online_stage_on_the_device(tmp_path, tiny_target_dir, tiny_tokenizer, m
     from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import online as online_stage
 
-    from .test_online import save_code_prompts, student
+    from .helpers.data import save_code_prompts
+    from .helpers.drafts import student
 
     save_code_prompts(tiny_tokenizer, tmp_path / "prompts/humaneval")
     save_draft(student(load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32")).model),

@@ -53,3 +53,29 @@ def test_no_module_imports_itself_through_others():
     # a package's __init__ importing its own modules is how a registry registers them: not a circle unless a
     # module imports its package back
     assert not cycles, "\n".join(sorted(set(cycles))[:20])
+
+
+def method_modules(graph: dict[str, set[str]]) -> set[str]:
+    """A method's own modules: the registered methods' modules under methods/, and the models/decoding/training/
+    export modules named after a registered method (models.eagle, decoding.medusa, training.draft, export.eagle3,
+    models.draft_lm, models.medusa_tree, ...)."""
+    from specdistill import methods
+
+    names = set(methods.REGISTRY)
+    own = {m for m in graph if m.startswith("specdistill.methods.") and not m.endswith(".registry")}
+    layers = ("models", "decoding", "training", "export")
+    return own | {m for m in graph if m.count(".") == 2 and m.split(".")[1] in layers
+                  and any(m.rsplit(".", 1)[1].startswith(n) for n in names)}
+
+
+def test_no_stage_imports_a_method_module():
+    """Stages ask the registry (`specdistill.methods`), never a method's own modules: a new method needs no stage
+    edit. Found by this test when it was written: evaluate (EAGLE's tree config), features (EAGLE's default
+    layers) and train (the draft LM's size)."""
+    graph = imports()
+    own = method_modules(graph)
+    assert {"specdistill.methods.eagle", "specdistill.models.eagle", "specdistill.training.draft",
+            "specdistill.export.eagle3", "specdistill.decoding.medusa"} <= own
+    offenders = sorted(f"{stage} imports {m}" for stage in graph if stage.startswith("specdistill.stages.")
+                       for m in graph[stage] & own)
+    assert not offenders, "\n".join(offenders)

@@ -14,8 +14,9 @@ import yaml
 
 from specdistill.records import read_record
 
-from .conftest import ROOT
-from .test_train import overrides, write_split
+from .helpers.data import write_split
+from .helpers.project import ROOT
+from .helpers.train import overrides
 
 LOSSES = ("fkl", "tvd")
 
@@ -39,7 +40,8 @@ def test_sweep_runs_each_job_in_its_own_submitit_process(tmp_path, tiny_target_d
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:] + err[-5000:]
-    assert "Submitit 'local' sweep output dir" in out + err  # the submitit launcher ran the sweep, not Hydra's basic one
+    # the submitit launcher ran the sweep, not Hydra's basic one
+    assert "Submitit 'local' sweep output dir" in out + err
 
     job_ids = {}
     for num, loss in enumerate(LOSSES):
@@ -76,7 +78,8 @@ def test_a_sweep_over_any_key_keeps_each_jobs_metrics_and_run_apart(tmp_path, ti
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     files = sorted(p.name for p in (tmp_path / "metrics/sweep").glob("*.json"))
     # Hydra hands each job the swept value as it parsed it (1e-4 -> 0.0001)
-    assert files == ["draft-methods.draft.optimizer.lr=0.0001.json", "draft-methods.draft.optimizer.lr=0.001.json"], files
+    assert files == ["draft-methods.draft.optimizer.lr=0.0001.json",
+                     "draft-methods.draft.optimizer.lr=0.001.json"], files
     lrs = {read_record(tmp_path / "metrics/sweep" / f)["settings"]["distill"]["optimizer"]["lr"] for f in files}
     assert lrs == {1e-4, 1e-3}
     # the W&B run takes the job's name (Plan.run_name, which the stage logs with its result; fast_dev_run turns

@@ -182,7 +182,8 @@ def test_dpace_weights_follow_their_definition(q, ok, alpha):
     reach = np.cumprod(q_tilde, -1) * ok
     want = np.flip(np.cumsum(np.flip(reach, -1), -1), -1) * ok
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    full = dpace_weights([torch.as_tensor(q[:, j]).float() for j in range(4)], [torch.ones(3, dtype=torch.bool)] * 4, 1.0)
+    full = dpace_weights([torch.as_tensor(q[:, j]).float() for j in range(4)],
+                         [torch.ones(3, dtype=torch.bool)] * 4, 1.0)
     assert [w.tolist() for w in full] == [[4.0] * 3, [3.0] * 3, [2.0] * 3, [1.0] * 3]
     all_valid = torch.stack(dpace_weights([torch.as_tensor(q[:, j]).float() for j in range(4)],
                                           [torch.ones(3, dtype=torch.bool)] * 4, alpha), -1)

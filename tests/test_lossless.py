@@ -21,18 +21,17 @@ import torch
 import specdistill.decoding.loop as loop
 from specdistill.decoding.dflash import DFlashProposer
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.medusa import MedusaProposer
 from specdistill.decoding.proposers import PromptLookupProposer
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.union import UnionProposer
 from specdistill.decoding.verify import verify_sampling
 from specdistill.models.medusa import MedusaConfig, MedusaHeads
 
-from .stats import chi2_p
-from .test_decoding import BigramProposer, V, exact_marginals, one_thread, tables  # noqa: F401 (fixture)
-from .test_dflash import bigram_drafter
-from .test_eagle import bigram_head
-from .test_medusa import FeatureBigramVerifier
+from .helpers.decoding import BigramProposer, FeatureBigramVerifier, V, exact_marginals, tables
+from .helpers.drafts import bigram_drafter, bigram_head
+from .helpers.stats import chi2_p
 
 PROMPT = [0, 3, 5, 1, 3, 2, 0, 3]  # repeats, so prompt lookup drafts too
 NEW, DRAWS, POSITIONS = 5, 20_000, (1, 4)
@@ -66,7 +65,8 @@ SAMPLINGS = {"T1": SamplingConfig(1.0), "T0.7-p0.9": SamplingConfig(0.7, top_p=0
 def p_values(shape: str, sampling: SamplingConfig, seed: int = 1, draws: int = DRAWS) -> dict[int, float]:
     table, draft = tables()
     proposer, gen = PROPOSERS[shape](draft), torch.Generator().manual_seed(seed)
-    out = np.array([speculative_generate(FeatureBigramVerifier(table), proposer, PROMPT, NEW, set(), sampling, gen).tokens
+    out = np.array([speculative_generate(FeatureBigramVerifier(table), proposer, PROMPT, NEW, set(),
+                                         sampling, gen).tokens
                     for _ in range(draws)])
     exact = exact_marginals(table, table[PROMPT[-1]], sampling, NEW)
     return {pos: chi2_p(out[:, pos], exact[pos]) for pos in POSITIONS}

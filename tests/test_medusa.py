@@ -8,40 +8,22 @@ import json
 import pytest
 import torch
 
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
-from specdistill.decoding.medusa import (
-    MedusaProposer,
-    cartesian_choices,
-    check_choices,
-    expected_accepted,
-    grow_tree,
-)
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.medusa import MedusaProposer
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.medusa import MedusaConfig, MedusaHeads, build_medusa, load_medusa, save_medusa
+from specdistill.models.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
+from specdistill.models.medusa_tree import cartesian_choices, check_choices, expected_accepted, grow_tree
 from specdistill.stages import train as train_stage
 from specdistill.training.losses import build_loss
 from specdistill.training.medusa import MedusaModule, head_pairs
 
-from .conftest import make_model, save_mtbench
-from .stats import chi2_p
-from .test_decoding import PROMPTS, V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
-from .test_train import composed, generated, overrides  # noqa: F401 (fixture)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_tokenizer):
-    return make_model(len(tiny_tokenizer), seed=0)
-
-
-def random_heads(target, k=3, d2t=None, seed=0):
-    heads = build_medusa(target, k, 1, d2t)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    return heads.eval()
-
+from .helpers.data import save_mtbench
+from .helpers.decoding import PROMPTS, FeatureBigramVerifier, V, exact_marginals, plain_greedy, tables
+from .helpers.drafts import random_heads
+from .helpers.stats import chi2_p
+from .helpers.train import composed, overrides
 
 # --- alignment --------------------------------------------------------------------------------------
 
@@ -133,24 +115,6 @@ def test_greedy_medusa_equals_plain_greedy(target, reduced):
     assert accepted > 0  # not vacuous: drafts were accepted, and the output still matches
 
 
-class FeatureBigramVerifier:
-    """A bigram target (test_decoding) whose 'hidden state' of a token is its one-hot vector."""
-
-    def __init__(self, table):
-        self.table, self.features, self._scored = table, None, None
-
-    def prefill(self, ids):
-        self.features = torch.eye(V)[torch.tensor(ids)]
-        return self.table[ids[-1]]
-
-    def score(self, root, tree):
-        self._scored = torch.tensor([root] + (tree.tokens.tolist() if tree is not None else []))
-        return self.table[self._scored]
-
-    def commit(self, path):
-        self.features = torch.eye(V)[self._scored[[0] + [i + 1 for i in path]]]
-
-
 @pytest.mark.usefixtures("one_thread")
 def test_medusa_tree_sampling_is_lossless():
     """Temperature 1 with deterministic top-k Medusa nodes: every position follows the target's law."""
@@ -210,7 +174,7 @@ def test_save_load_round_trip_and_target_check(tmp_path, target):
 
 
 @pytest.mark.parametrize(("loss", "vocab"), [("fkl", "128"), ("jsd", "null"), ("ce", "128"), ("tvd", "128")])
-def test_fast_dev_run_medusa(tmp_path, tiny_target_dir, generated, loss, vocab):  # noqa: F811
+def test_fast_dev_run_medusa(tmp_path, tiny_target_dir, generated, loss, vocab):
     cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "method=medusa", f"loss={loss}",
                               "+trainer.fast_dev_run=2", f"methods.medusa.vocab_size={vocab}",
                               "methods.medusa.num_heads=3", "methods.medusa.tree_budgets=[4,8]"))
@@ -231,8 +195,8 @@ def test_fast_dev_run_medusa(tmp_path, tiny_target_dir, generated, loss, vocab):
     assert "head1_top1" in (tmp_path / "plots/train_medusa/val.csv").read_text().splitlines()[0]
 
 
-def test_medusa_refuses_a_stored_teacher(tmp_path, tiny_target_dir, generated):  # noqa: F811
-    from specdistill.stages.common import ConfigError
+def test_medusa_refuses_a_stored_teacher(tmp_path, tiny_target_dir, generated):
+    from specdistill.errors import ConfigError
 
     with pytest.raises(ConfigError, match="teacher=live"):
         train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "method=medusa",

@@ -11,7 +11,7 @@ import pytest
 from specdistill import methods
 from specdistill.errors import ConfigError
 
-from .conftest import ROOT
+from .helpers.project import ROOT
 
 # the stages and the report: each method describes itself (`Method.describe`), so neither names one
 STAGES = sorted([*(ROOT / "src/specdistill/stages").glob("*.py"), *(ROOT / "src/specdistill/reporting").glob("*.py")])

@@ -10,7 +10,7 @@ import torch
 from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.proposers import DraftLMProposer
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.draft_lm import DraftSize, build_draft, save_draft
+from specdistill.models.draft_lm import save_draft
 from specdistill.online.buffer import RejectionBuffer
 from specdistill.online.policy import OnlineConfig, StoppingRule
 from specdistill.online.recorder import RecordingVerifier
@@ -19,23 +19,9 @@ from specdistill.records import read_record
 from specdistill.training.draft import DraftLMModule
 from specdistill.training.losses import Teacher, build_loss
 
-from .conftest import make_model
-from .test_decoding import PROMPTS, plain_greedy
-from .test_train import generated  # noqa: F401 (fixture)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_tokenizer):
-    return make_model(len(tiny_tokenizer), seed=0)
-
-
-def student(target, seed=3):
-    """A 1-layer draft cut from the target, perturbed: it agrees with the target on some tokens, not all."""
-    draft = build_draft(target, DraftSize(name="xs", num_layers=1), "from_target", seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=g) * 0.5)
-    return draft
+from .helpers.data import save_code_prompts
+from .helpers.decoding import PROMPTS, plain_greedy
+from .helpers.drafts import student
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -141,7 +127,7 @@ def test_serving_stays_lossless_before_and_after_updates(target, kind):
         from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
         from specdistill.training.eagle import EagleModule
 
-        from .test_eagle import random_head
+        from .helpers.drafts import random_head
 
         draft, serving = random_head(target, "eagle3").train(), random_head(target, "eagle3")
         module = EagleModule(target, draft, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)
@@ -165,20 +151,9 @@ def test_buffer_is_bounded_in_tokens(target):
     assert len(buf) == 2 and buf.tokens == 20 and int(buf.requests[0].topk_ids[0]) == 2  # oldest out first
 
 
-def save_code_prompts(tok, folder, n=6):
-    """`n` short code requests in the prompt contract (the online stage serves their `prompt` text)."""
-    from specdistill.stages.prepare import save_split
-
-    rows = [{"id": str(i), "messages": [{"role": "user", "content": f"def f{i}(x):"}], "source": "humaneval",
-             "category": "code", "reference": "", "turns": [f"def f{i}(x):"], "prompt_tokens": 1,
-             "prompt": tok.apply_chat_template([{"role": "user", "content": f"def f{i}(x): return x + {i}"}],
-                                               tokenize=False, add_generation_prompt=True)}
-            for i in range(n)]
-    save_split(rows, folder)
-
-
 @pytest.mark.parametrize("scenario", ["code", "chat"])
-def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch, scenario):
+def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch,
+                                                         scenario):
     from specdistill.models.target import TargetConfig, load_target
     from specdistill.stages import online as online_stage
 
@@ -211,7 +186,7 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
         online_stage.run(cfg)
 
 
-def test_offline_replay_steps_train_on_the_offline_data_with_a_live_teacher(target, generated):  # noqa: F811
+def test_offline_replay_steps_train_on_the_offline_data_with_a_live_teacher(target, generated):
     from specdistill.data.datamodule import DataConfig, DistillDataModule
 
     dm = DistillDataModule(DataConfig(batch_size=2, bucket_size=1), generated, generated, pad_id=2)
@@ -291,14 +266,14 @@ def test_the_gate_scores_an_eagle_head_on_its_first_draft_step(target):
     from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
     from specdistill.training.eagle import EagleModule
 
-    from .test_eagle import random_head
+    from .helpers.drafts import random_head
 
     head, serving = random_head(target, "eagle3").train(), random_head(target, "eagle3")
     module = EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW)
     cfg = OnlineConfig(method="eagle", requests=3, update_every=100, gate=1, steps=2, batch_size=2, lr=1e-3, topk=32)
     online = OnlineDistiller(module, EagleProposer(serving, EagleTreeConfig(shape="chain", k=2)),
-                             TargetVerifier(target, capacity=128, feature_layers=head.cfg.feature_layers), cfg, set(), 2,
-                             deploy=lambda: serving.load_state_dict(head.state_dict()))
+                             TargetVerifier(target, capacity=128, feature_layers=head.cfg.feature_layers), cfg, set(),
+                             2, deploy=lambda: serving.load_state_dict(head.state_dict()))
     for p in PROMPTS:
         online.serve(p)
     scores = module.score(online.buffer.newest(1, 2))
@@ -315,14 +290,14 @@ def test_a_score_memo_runs_the_target_once_for_the_gates_two_scores(target):
     from specdistill.training.eagle import EagleModule
     from specdistill.training.medusa import MedusaModule
 
-    from .test_eagle import random_head
-    from .test_medusa import random_heads
+    from .helpers.drafts import random_head, random_heads
 
     draft = student(target)
     head = random_head(target, "eagle3").train()
     modules = {"draft": module_for(target, draft),
                "eagle": EagleModule(target, head, ttt_steps=2, loss=build_loss("fkl"), optimizer=torch.optim.AdamW),
-               "medusa": MedusaModule(target, random_heads(target, 2), loss=build_loss("fkl"), optimizer=torch.optim.AdamW)}
+               "medusa": MedusaModule(target, random_heads(target, 2), loss=build_loss("fkl"),
+                                      optimizer=torch.optim.AdamW)}
     buf = RejectionBuffer(max_tokens=1000)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):

@@ -7,7 +7,7 @@ import torch
 from specdistill.models.draft_lm import DraftSize, build_draft
 from specdistill.training.onpolicy import continue_prompts
 
-from .conftest import make_model
+from .helpers.models import make_model
 
 
 def batch_of(prompts, pad=0):

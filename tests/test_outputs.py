@@ -7,51 +7,16 @@ config and the real stage: it must be refused at start, with the key named, and 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from specdistill.io import atomic_path
 from specdistill.outputs import MARKER, OutputError, check_paths, check_replaceable, plain_name
 
-from .conftest import copy_checkout
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture
-def checkout(tmp_path: Path, monkeypatch) -> Path:
-    """A copy of the project's tracked files, with a `.git`, data and outputs of its own, as the cwd."""
-    proj = copy_checkout(tmp_path / "a" / "b" / "proj")  # two levels down: `../../escaped` must not reach tmp_path
-    for f, text in {".git/HEAD": "ref: refs/heads/main\n", "data/prompts/train/data.arrow": "prompts",
-                    "data/assets/target/model.gguf": "weights", "models/eagle/model.safetensors": "eagle",
-                    "metrics/eagle.json": "{}", "checkpoints/draft/last.ckpt": "ckpt"}.items():
-        (proj / f).parent.mkdir(parents=True, exist_ok=True)
-        (proj / f).write_text(text)
-    monkeypatch.chdir(proj)
-    return proj
-
-
-def composed(proj: Path, *overrides: str) -> dict:
-    with initialize_config_dir(str(proj / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["logger=none", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
-def _stage(name: str):
-    from importlib import import_module
-
-    return import_module(f"specdistill.stages.{name}").run
-
+from .helpers.checkout import composed, snapshot, stage_run
 
 DELETING = [  # (stage, overrides, the key the error must name): each of these once emptied the checkout
     ("evaluate", ["eval.name=.."], "eval.name"),
@@ -73,7 +38,7 @@ def test_a_deleting_value_is_refused_at_start_and_the_checkout_is_untouched(chec
     before, before_outside = snapshot(checkout), snapshot(outside)
     cfg = composed(checkout, *overrides)
     with pytest.raises(OutputError, match=f"`{key}"):
-        _stage(stage)(cfg)
+        stage_run(stage)(cfg)
     assert snapshot(checkout) == before
     assert snapshot(outside) == before_outside  # nothing written above the project either
 

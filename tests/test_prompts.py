@@ -108,7 +108,8 @@ def tiny_assets(tmp_path):
     (d / "humaneval").mkdir()
     with gzip.open(d / "humaneval/HumanEval.jsonl.gz", "wt") as f:
         for i in range(3):
-            f.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "canonical_solution": "  return x\n"}) + "\n")
+            f.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n",
+                                "canonical_solution": "  return x\n"}) + "\n")
     return d
 
 
@@ -154,7 +155,7 @@ def test_any_datasets_source_by_config(tmp_path, tiny_assets, tiny_target_dir):
 
 
 def test_unknown_data_key_fails_at_start(tmp_path, tiny_assets, tiny_target_dir):
-    from specdistill.stages.common import ConfigError
+    from specdistill.errors import ConfigError
 
     cfg = prepare_cfg(tmp_path, tiny_assets, tiny_target_dir, num_trian=5)
     with pytest.raises(ConfigError, match="num_trian"):
@@ -263,7 +264,8 @@ def test_a_custom_row_of_the_wrong_shape_names_the_row_and_the_keys(tmp_path, ti
     rows.write_text(json.dumps({"id": "a", "messages": [{"from": "human", "value": "hi"}]}) + "\n")
     cfg = prepare_cfg(tmp_path, tiny_assets, tiny_target_dir)
     cfg["data"]["source"] = {"kind": "datasets", "path": None, "name": "json", "config": None, "split": "train",
-                             "data_files": str(rows), "format": "messages", "columns": {"id": "id", "conversation": "messages"}}
+                             "data_files": str(rows), "format": "messages",
+                             "columns": {"id": "id", "conversation": "messages"}}
     with pytest.raises(PromptError, match=r"row 0 .*'messages' shape .*KeyError.*data.source.format"):
         prepare_stage.run(cfg)
 

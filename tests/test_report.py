@@ -8,18 +8,7 @@ import pytest
 
 from specdistill.stages import report
 
-
-def metrics(method: str, alphas: list[float], tau: float, ci: list[float] | None = None) -> dict:
-    spec = {"tokens": 64, "seconds": 2.0, "tokens_per_s": 32.0, "tau": tau, "speedup": 1.6,
-            **({"speedup_ci95": ci} if ci else {}),
-            "speedup_vs_hf_assisted": 2.1, **{f"alpha_pos{k}": a for k, a in enumerate(alphas, start=1)}}
-    setting = {"ar": {"tokens": 64, "seconds": 3.2, "tokens_per_s": 20.0, "tau": 1.0, "speedup": 1.0,
-                      "speedup_ci95": [1.0, 1.0]},
-               "hf_generate": {"tokens": 64, "seconds": 4.0, "tokens_per_s": 16.0, "speedup": 0.8},
-               "spec": spec}
-    return {"method": method, "settings": {"k": len(alphas), "dtype": "bfloat16", "prompts": {"mtbench": 2},
-                                           "max_new_tokens": 64, "chain_or_tree": "chain", "draft": "d"},
-            "results": {"mtbench": {"T0": setting}}}
+from .helpers.report import metrics
 
 
 def render(tmp_path, monkeypatch) -> str:
@@ -168,11 +157,13 @@ def test_draft_label_names_a_lookup_branch_for_every_method_and_the_key_it_had_b
     medusa = {"method": "medusa", "settings": {"medusa_heads": 4, "tree_nodes": 16, "draft_vocab": 8192,
                                                "lookup_branch": True, "lookup_k": 6}}
     assert draft_label(medusa)[0] == "Medusa 4 heads, 16-node tree + lookup chain K=6 (8192 tokens)"
-    untrained = {"method": "draft", "settings": {"draft": "target's first 4 layers", "lookup_branch": True, "lookup_k": 8}}
+    untrained = {"method": "draft", "settings": {"draft": "target's first 4 layers",
+                                                 "lookup_branch": True, "lookup_k": 8}}
     assert draft_label(untrained) == ("target's first 4 layers + lookup chain K=8", "untrained")
     tree = {**untrained, "settings": {**untrained["settings"], "lookup_branches": 2}}  # eval.lookup_branches=2
     assert draft_label(tree) == ("target's first 4 layers + lookup tree of 2 chains, K=8", "untrained")
-    assert draft_label({"method": "lookup", "settings": {"lookup_branches": 2}})[0] == "prompt lookup, a tree of 2 chains"
+    assert draft_label({"method": "lookup",
+                        "settings": {"lookup_branches": 2}})[0] == "prompt lookup, a tree of 2 chains"
     assert draft_label({"method": "lookup", "settings": {}})[0] == "prompt lookup"
     dflash = {"method": "dflash", "settings": {"block_size": 8, "dflash_k": 7, "draft_vocab": 8192,
                                                "draft_training": {"loss": "fkl", "data": "target"}}}
@@ -202,19 +193,20 @@ def test_report_names_the_cpu_kind_and_flags_runs_from_different_machines(tmp_pa
     avx2["settings"].update(device="AMD EPYC", cpu={"capability": "AVX2", "native_bf16": False})
     (tmp_path / "metrics/lookup.json").write_text(json.dumps(avx2))
     text = render(tmp_path, monkeypatch)
-    assert "Measured on more than one machine (AMD EPYC (AVX2, bf16 emulated); Intel Xeon (AVX512, bf16 native))" in text
+    assert "Measured on more than one machine (AMD EPYC (AVX2, bf16 emulated); " \
+           "Intel Xeon (AVX512, bf16 native))" in text
 
 
 def test_environment_names_the_cpu_and_its_kind(monkeypatch):
     from pathlib import Path
 
-    from specdistill.stages import common
+    from specdistill import hardware
 
     real_read = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "processor\t: 0\nmodel name\t: Test CPU 9000\n"
                         if str(self) == "/proc/cpuinfo" else real_read(self, *a, **k))
-    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
-    env = common.environment()
+    monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: False)
+    env = hardware.environment()
     assert env["device"] == "Test CPU 9000" and set(env["cpu"]) == {"capability", "native_bf16"}
 
 
@@ -225,7 +217,8 @@ def test_the_summary_keeps_the_best_setting_of_each_method_and_the_engines_deplo
     for m in (slow, fast):
         m["settings"].update(eagle_variant="eagle3", draft_vocab=8192, eagle_tree={"shape": "chain", "k": 2})
     union = metrics("eagle", [0.5, 0.4], 2.5)
-    union["settings"].update(eagle_variant="eagle3", lookup_branch=True, lookup_k=8, eagle_tree={"shape": "chain", "k": 2})
+    union["settings"].update(eagle_variant="eagle3", lookup_branch=True, lookup_k=8,
+                             eagle_tree={"shape": "chain", "k": 2})
     for name, m in {"eagle": slow, "eagle_k4": fast, "eagle_lookup": union,
                     "lookup": metrics("lookup", [0.5, 0.5], 1.4)}.items():
         (tmp_path / f"metrics/{name}.json").write_text(json.dumps(m))
@@ -264,7 +257,8 @@ def test_each_figure_has_a_panel_per_dataset_and_temperature(tmp_path, monkeypat
     assert {name: p for name, p, _ in saved} == {"acceptance_by_position.png": panels, "speedup.png": panels,
                                                  "tau_vs_k.png": panels}
     lines = {name: n for name, _, n in saved}
-    assert lines["acceptance_by_position.png"] == [0, 1, 1, 0]  # humaneval T0, T1, mtbench T0, T1: a series where measured
+    # humaneval T0, T1, mtbench T0, T1: a series where measured
+    assert lines["acceptance_by_position.png"] == [0, 1, 1, 0]
 
 
 def test_the_engine_section_gives_each_runs_step_cost_and_the_deployed_schedule(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from specdistill.sampling import sample, sample_logits, warp
 
-from .stats import chi2_p
+from .helpers.stats import chi2_p
 
 
 def reference_warp(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:

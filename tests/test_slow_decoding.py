@@ -13,7 +13,7 @@ from specdistill.decoding.verifier import TargetVerifier
 from specdistill.models.draft_lm import draft_from_target
 from specdistill.models.target import load_target
 
-from .conftest import ROOT
+from .helpers.project import ROOT
 
 
 @pytest.mark.slow
@@ -29,7 +29,8 @@ def test_greedy_speculative_equals_hf_generate_on_mtbench(branching):
     verifier, proposer = TargetVerifier(t.model, 1024), DraftLMProposer(draft, k=4, branching=branching)
     eos = t.tokenizer.eos_token_id
     for q in questions:
-        text = t.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        text = t.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                               add_generation_prompt=True)
         ids = t.tokenizer(text, add_special_tokens=False)["input_ids"]
         ours = speculative_generate(verifier, proposer, ids, 32, {eos}).tokens
         with torch.inference_mode():

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import ROOT, copy_checkout
+from .helpers.checkout import copy_checkout
+from .helpers.project import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 ASSETS = ROOT / "data/assets"

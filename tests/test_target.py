@@ -7,7 +7,7 @@ import torch
 
 from specdistill.models.target import TargetConfig, TargetError, load_target
 
-from .conftest import ROOT
+from .helpers.project import ROOT
 
 
 def test_local_folder_frozen_with_hidden_states(tiny_target_dir):

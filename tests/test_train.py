@@ -9,58 +9,19 @@ import shutil
 import subprocess
 import sys
 
-import datasets
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from specdistill.errors import ConfigError
 from specdistill.records import read_record
 from specdistill.stages import train as train_stage
-from specdistill.stages.common import ConfigError
 
-from .conftest import ROOT, front_door
+from .helpers.data import write_split
+from .helpers.project import ROOT
+from .helpers.train import composed, overrides
 
 LOSSES = ["fkl", "rkl", "jsd", "tvd", "topk_kl", "ce"]
-
-
-def write_split(folder, rows, seed, vocab, shard="shard-00000"):
-    g = torch.Generator().manual_seed(seed)
-    ids, plens = [], []
-    for _ in range(rows):
-        p, r = int(torch.randint(3, 9, (1,), generator=g)), int(torch.randint(4, 14, (1,), generator=g))
-        ids.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
-        plens.append(p)
-    datasets.Dataset.from_dict({"id": [f"{shard}-{i}" for i in range(rows)], "input_ids": ids, "prompt_len": plens}) \
-        .save_to_disk(str(folder / shard))
-
-
-@pytest.fixture(scope="module")
-def generated(tmp_path_factory, tiny_tokenizer):
-    d = tmp_path_factory.mktemp("generated")
-    write_split(d / "train", 24, 0, len(tiny_tokenizer))
-    write_split(d / "val", 9, 1, len(tiny_tokenizer))  # batch 2: 5 batches, 3 + 2 on 2 ranks (unequal tokens)
-    (d / "FINGERPRINT").write_text("tiny\n")
-    return d
-
-
-def overrides(tmp_path, tiny_target_dir, generated, *extra):
-    return [f"paths.generated_dir={generated}", f"paths.prompts_dir={tmp_path}/prompts",
-            f"paths.models_dir={tmp_path}/models", f"paths.checkpoints_dir={tmp_path}/checkpoints",
-            f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots",
-            "target=hf", f"target.name_or_path={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
-            "logger=none", "draft@methods.draft.draft=xs", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
-            "distill.data.batch_size=2", "distill.scheduler.num_warmup_steps=2", "methods.draft.vocab_size=128",
-            "methods.eagle.teacher=live", "methods.eagle1.teacher=live", "methods.dflash.teacher=live",
-            *extra]  # no features store: the live target
-
-
-def composed(*ovr):
-    """The config as the train front door composes it (`loss=fkl` is shorthand for the chosen method's)."""
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        return OmegaConf.to_container(compose("config", overrides=front_door("train").method_groups(list(ovr))),
-                                      resolve=True)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -130,7 +91,8 @@ def test_distillation_raises_alpha(tmp_path, tiny_target_dir, tiny_tokenizer):
     write_split(tmp_path / "gen/train", 16, 0, len(tiny_tokenizer))
     write_split(tmp_path / "gen/val", 16, 0, len(tiny_tokenizer))
     cfg = composed(*overrides(tmp_path, tiny_target_dir, tmp_path / "gen", "trainer.val_check_interval=10",
-                              "trainer.max_steps=40", "methods.draft.optimizer.lr=3e-3", "methods.draft.vocab_size=null"))
+                              "trainer.max_steps=40", "methods.draft.optimizer.lr=3e-3",
+                              "methods.draft.vocab_size=null"))
     res = train_stage.run(cfg)
     rows = [r.split(",") for r in (tmp_path / "plots/train_draft/val.csv").read_text().splitlines()[1:]]
     alphas = [float(r[1]) for r in rows]
@@ -140,8 +102,9 @@ def test_distillation_raises_alpha(tmp_path, tiny_target_dir, tiny_tokenizer):
 
 @pytest.mark.parametrize("method", ["draft", "medusa"])
 def test_a_method_s_own_trainer_section_wins(tmp_path, tiny_target_dir, generated, method):
-    res = train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, f"method={method}", "trainer.max_steps=50",
-                                              f"++methods.{method}.trainer.max_steps=2", "methods.medusa.num_heads=2", "methods.medusa.vocab_size=128")))
+    res = train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, f"method={method}",
+                                              "trainer.max_steps=50", f"++methods.{method}.trainer.max_steps=2",
+                                              "methods.medusa.num_heads=2", "methods.medusa.vocab_size=128")))
     assert res["steps"] == 2 and res["settings"]["trainer"]["max_steps"] == 2
 
 
@@ -155,9 +118,11 @@ def test_progress_shows_in_a_log_file(tmp_path, tiny_target_dir, generated, capf
 
 def test_bad_config_fails_before_the_target_loads(tmp_path, tiny_target_dir, generated):
     with pytest.raises(ConfigError, match="loss"):
-        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=jsd", "methods.draft.loss.params.beta=1.5")))
+        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=jsd",
+                                            "methods.draft.loss.params.beta=1.5")))
     with pytest.raises(ConfigError, match="teacher=stored"):
-        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=tvd", "distill.teacher=stored")))
+        train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "loss=tvd",
+                                            "distill.teacher=stored")))
     with pytest.raises(ConfigError, match="method="):
         train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "method=medusa3")))
 
@@ -172,7 +137,8 @@ def test_a_continued_run_records_its_lineage(tmp_path, tiny_target_dir, generate
     run("b", "trainer.max_steps=1", f"methods.draft.init_from={tmp_path}/models/a")
     third = run("c", "trainer.max_steps=0", f"methods.draft.init_from={tmp_path}/models/b")
     assert third["settings"]["lineage"] == [
-        {"run": "a", "steps": 2, "train_tokens": first["settings"]["train_tokens"], "prompt_mix": {"code_fraction": 0.5}},
+        {"run": "a", "steps": 2, "train_tokens": first["settings"]["train_tokens"],
+         "prompt_mix": {"code_fraction": 0.5}},
         {"run": "b", "steps": 1, "train_tokens": first["settings"]["train_tokens"]}]
     assert read_record(tmp_path / "metrics/train_c.json")["settings"]["lineage"][0]["run"] == "a"
 

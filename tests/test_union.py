@@ -7,17 +7,19 @@ import pytest
 import torch
 
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
-from specdistill.decoding.medusa import MedusaProposer, grow_tree
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.medusa import MedusaProposer
 from specdistill.decoding.proposers import PromptLookupProposer
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.union import UnionProposer, merge
 from specdistill.decoding.verifier import TargetVerifier
+from specdistill.models.medusa_tree import grow_tree
 
-from .stats import chi2_p
-from .test_decoding import V, exact_marginals, one_thread, plain_greedy, tables  # noqa: F401
-from .test_eagle import bigram_head, eagle_eval_config, greedy_texts, random_head, target, tree_paths  # noqa: F401
-from .test_medusa import FeatureBigramVerifier, random_heads
+from .helpers.decoding import FeatureBigramVerifier, V, exact_marginals, plain_greedy, tables, tree_paths
+from .helpers.drafts import bigram_head, random_head, random_heads
+from .helpers.evaluate import eagle_eval_config, greedy_texts
+from .helpers.stats import chi2_p
 
 
 def test_merge_is_the_union_of_the_trees_paths():
@@ -66,7 +68,7 @@ def test_union_proposer_passes_features_to_every_member_and_drops_empty_drafts()
 REPEATING = [[1, 5, 9, 13, 5, 9, 13, 5], [1, 77, 3, 12, 77, 3, 12, 77, 3], [1, 200, 201, 202, 200, 201]]
 
 
-def test_greedy_eagle_plus_lookup_equals_plain_greedy(target):  # noqa: F811
+def test_greedy_eagle_plus_lookup_equals_plain_greedy(target):
     head = random_head(target, "eagle3", torch.arange(0, target.config.vocab_size, 2))
     tree = EagleTreeConfig(shape="dynamic", depth=3, top_k=2, total_tokens=5)
     eagle = EagleProposer(head, tree, capacity=128)
@@ -82,7 +84,7 @@ def test_greedy_eagle_plus_lookup_equals_plain_greedy(target):  # noqa: F811
     assert grew > 0  # the prompts repeat themselves, so lookup must have drafted
 
 
-def test_greedy_medusa_plus_lookup_equals_plain_greedy(target):  # noqa: F811
+def test_greedy_medusa_plus_lookup_equals_plain_greedy(target):
     """The branch is not EAGLE's alone: Medusa's fixed tree (it reads the final state) merges with lookup too
     (benchmarks/lookup_branch.py's m: variants)."""
     choices = grow_tree([[0.5, 0.2, 0.1]] * 3, 6)
@@ -103,7 +105,8 @@ def test_eagle_plus_lookup_sampling_is_lossless(branches):
     """Temperature 1: an EAGLE-2 dynamic tree and a lookup chain (or two sibling chains) merged; the prompt
     repeats so lookup drafts."""
     table, _ = tables()
-    eagle = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3), capacity=32)
+    eagle = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3),
+                          capacity=32)
     union = UnionProposer(eagle, PromptLookupProposer(k=3, branches=branches))
     # lookup's first draft: 5 1 3 (after "0 3"), and with two branches also 2 0 3 (after the later "3")
     prompt = [0, 3, 5, 1, 3, 2, 0, 3]
@@ -115,16 +118,18 @@ def test_eagle_plus_lookup_sampling_is_lossless(branches):
 
 
 def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):
+    from specdistill.errors import ConfigError
     from specdistill.stages import evaluate as evaluate_stage
-    from specdistill.stages.common import ConfigError
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", lookup_branch=True,
                             hf_baselines=False, lookup_k=4, lookup_branches=2)
     metrics = evaluate_stage.run(cfg)
     assert metrics["settings"]["lookup_branch"] is True and metrics["settings"]["lookup_branches"] == 2
     t0 = greedy_texts(tmp_path / "plots/eagle_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
-    bad = [({"method": "lookup"}, "the chain alone"), ({"eagle_tree": {"shape": "chain"}}, r"method=eagle drafts a chain by sampling.*shape=dynamic"),
-           ({"method": "draft"}, r"method=draft drafts a chain by sampling.*eval.tree"), ({"lookup_min_ngram": 4}, "lookup_min_ngram"),
+    bad = [({"method": "lookup"}, "the chain alone"),
+           ({"eagle_tree": {"shape": "chain"}}, r"method=eagle drafts a chain by sampling.*shape=dynamic"),
+           ({"method": "draft"}, r"method=draft drafts a chain by sampling.*eval.tree"),
+           ({"lookup_min_ngram": 4}, "lookup_min_ngram"),
            ({"lookup_branches": 0}, r"eval\.lookup_branches=0`: must be in \[1, 64\]")]
     for change, message in bad:
         with pytest.raises(ConfigError, match=message):
@@ -143,7 +148,7 @@ def test_evaluate_stage_runs_a_separate_draft_with_a_lookup_branch(tmp_path, tin
 
 
 def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic():
-    from specdistill.stages.common import ConfigError
+    from specdistill.errors import ConfigError
     from specdistill.stages.evaluate import EvalConfig
     EvalConfig(method="draft", lookup_branch=True, temperatures=[0.0])  # a greedy chain
     EvalConfig(method="draft", lookup_branch=True, tree=[2, 2], temperatures=[0.0, 1.0])  # a top-k tree

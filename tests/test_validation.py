@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from specdistill.stages.common import ConfigError
+from specdistill.errors import ConfigError
 
-from .test_outputs import _stage, checkout, composed, snapshot  # noqa: F401 (fixture)
+from .helpers.checkout import composed, snapshot, stage_run
 
 
 @pytest.fixture
-def earlier_outputs(checkout):  # noqa: F811
+def earlier_outputs(checkout):
     for f, text in {"data/generated/FINGERPRINT": "abc\n", "data/generated/manifest.json": "{}",
                     "data/generated/train/shard-00000/data-00000-of-00001.arrow": "shard",
                     "checkpoints/draft/FINGERPRINT": "def\n", "metrics/draft.json": '{"results": {"x": 1}}',
@@ -59,19 +59,20 @@ def test_a_bad_value_fails_at_start_and_keeps_earlier_outputs(earlier_outputs, s
     extra = [f"method={method}"] if stage == "train" else []
     cfg = composed(earlier_outputs, override, *extra)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        _stage(stage)(cfg)
+        stage_run(stage)(cfg)
     assert snapshot(earlier_outputs) == before
 
 
 OUTPUT_IN_THE_WAY = [  # item 5: a file where an output goes once failed only after all the decoding or training
-    ("evaluate", "metrics/draft.json", "dir", r"metrics/draft\.json \(from `eval\.name`\) is a folder"),
+    ("evaluate", "metrics/default/draft.json", "dir", r"metrics/default/draft\.json \(from `eval\.name`\) is a folder"),
     ("evaluate", "metrics", "file", r"paths\.metrics_dir=metrics.* is a file"),
     ("train", "plots", "file", r"paths\.plots_dir=plots.* is a file"),
     ("generate", "metrics", "file", r"paths\.metrics_dir=metrics.* is a file"),
 ]
 
 
-@pytest.mark.parametrize("stage,path,kind,message", OUTPUT_IN_THE_WAY, ids=[f"{c[0]}-{c[1]}" for c in OUTPUT_IN_THE_WAY])
+@pytest.mark.parametrize("stage,path,kind,message", OUTPUT_IN_THE_WAY,
+                         ids=[f"{c[0]}-{c[1]}" for c in OUTPUT_IN_THE_WAY])
 def test_an_output_path_in_the_way_fails_at_start(earlier_outputs, stage, path, kind, message):
     from specdistill.outputs import OutputError
 
@@ -89,6 +90,6 @@ def test_an_output_path_in_the_way_fails_at_start(earlier_outputs, stage, path, 
     before = snapshot(earlier_outputs)
     cfg = composed(earlier_outputs, *(["method=draft"] if stage == "train" else []))
     with pytest.raises(OutputError, match=message):
-        _stage(stage)(cfg)
+        stage_run(stage)(cfg)
     assert snapshot(earlier_outputs) == before
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,3 +29,19 @@ def cpu_has_native_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN: assume the hardware does (no warning)
         return True
+
+
+def environment() -> dict[str, Any]:
+    """What a measurement ran on. On a CPU the kind matters as much as the versions: without bf16 kernels
+    (AVX2) a draft tree's verification costs several times more plain steps than with AMX, so a speed-up
+    only compares with one measured on the same kind."""
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    env: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "python": platform.python_version(),
+                           "device": torch.cuda.get_device_name(0) if cuda else cpu_name(),
+                           "threads": torch.get_num_threads()}
+    if not cuda:
+        env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16()}
+    return env

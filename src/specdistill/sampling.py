@@ -69,7 +69,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     # The stages seed a CPU generator per prompt; torch draws only on a generator's own device, so the
     # uniforms come from there and move to the probabilities (one seed: the same draws on CPU and GPU).
     where = cdf.device if generator is None else generator.device
-    u = torch.rand((cdf.shape[0], 1), generator=generator, dtype=torch.float64, device=where).to(cdf.device) * cdf[:, -1:]
+    u = torch.rand((cdf.shape[0], 1), generator=generator, dtype=torch.float64,
+                   device=where).to(cdf.device) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).clamp_(max=shape[-1] - 1)
     return idx.reshape(shape[:-1])
 

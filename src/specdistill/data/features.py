@@ -152,7 +152,8 @@ class FeatureStore:
                             "other generated data; rerun the features stage (dvc repro features)")
         s, start, tstart, pk, rk = self._index[rid]
         if (pk, rk) != (p, r):
-            raise DataError(f"row {rid!r}: features stored for {pk}+{rk} prompt+response tokens, the batch keeps {p}+{r} "
+            raise DataError(f"row {rid!r}: features stored for {pk}+{rk} prompt+response tokens, "
+                            f"the batch keeps {p}+{r} "
                             "(another distill.data.max_length): rerun the features stage")
         f = self._handle(s)
         return (f.get_slice("features")[start:start + p + r], f.get_slice("topk_ids")[tstart:tstart + r],

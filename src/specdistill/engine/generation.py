@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 
 
-def worker_envs(workers: int, device: str, tp: int, cores: list[int] | None = None) -> list[tuple[str | None, dict[str, str]]]:
+def worker_envs(workers: int, device: str, tp: int,
+                cores: list[int] | None = None) -> list[tuple[str | None, dict[str, str]]]:
     """(cores to bind, extra environment) of each worker: on a GPU node `tp` GPUs apiece; on a CPU the machine's cores
     in equal contiguous groups (vLLM's OpenMP binding), an error when there are fewer cores than workers."""
     if device == "cuda":

@@ -49,7 +49,8 @@ class ServeConfig:
     ar_bracket: bool  # the engine alone also after the K starts: each baseline the mean of the two
     skip_idle_drafter: bool  # the deployed schedule runs no drafter forward at its K = 0 loads (engine-plugin/)
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
-        "deploy_min_speedup": "[0, inf)", "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "timeout_s": "[1, inf)", "temperatures": "[0, 2]",
+        "deploy_min_speedup": "[0, inf)", "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)",
+        "timeout_s": "[1, inf)", "temperatures": "[0, 2]",
         "concurrency": "[1, 256]", "k": "[1, 256]", "max_model_len": "[64, inf)", "ngram_max": "[1, inf)",
         "ngram_min": "[1, inf)"}
 
@@ -185,7 +186,8 @@ def bracket_baseline(table: dict[str, Any], last: dict[str, Any]) -> list[str]:
     return drifted
 
 
-def deploy_schedule(cfg: ServeConfig, chosen: dict[str, dict[str, Any]], draft_dir: str | None) -> dict[str, Any] | None:
+def deploy_schedule(cfg: ServeConfig, chosen: dict[str, dict[str, Any]],
+                    draft_dir: str | None) -> dict[str, Any] | None:
     """The speculative config to deploy: vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`,
     inclusive ranges) built from the K chosen at each measured concurrency, K = 0 where speculation lost.
     Concurrency c_i covers the batch sizes above c_(i-1) up to c_i; the last range reaches the largest

@@ -103,8 +103,9 @@ def check_medusa_fixes(spec: dict[str, Any] | None) -> None:
     if (spec or {}).get("method") != "medusa":
         return
     if not hasattr(installed_fixes(), "medusa_propose"):
-        raise SystemExit("serving Medusa needs specdistill's vLLM fixes (engine-plugin/, 0.2 or later): run `make engine`, "
-                         "or `pip install ./engine-plugin` into the environment of $SPECDISTILL_ENGINE_PYTHON")
+        raise SystemExit("serving Medusa needs specdistill's vLLM fixes (engine-plugin/, 0.2 or later): "
+                         "run `make engine`, or `pip install ./engine-plugin` into the environment of "
+                         "$SPECDISTILL_ENGINE_PYTHON")
 
 
 def check_cpu_fixes() -> list[str]:
@@ -119,8 +120,9 @@ def check_cpu_fixes() -> list[str]:
         return []
     fixes = installed_fixes()
     if fixes is None or fixes.expand_is_broken(fixes.expand):
-        raise SystemExit("the engine environment lacks specdistill's vLLM CPU fixes (engine-plugin/): run `make engine`, "
-                         "or `pip install ./engine-plugin` into the environment of $SPECDISTILL_ENGINE_PYTHON")
+        raise SystemExit("the engine environment lacks specdistill's vLLM CPU fixes (engine-plugin/): "
+                         "run `make engine`, or `pip install ./engine-plugin` into the environment of "
+                         "$SPECDISTILL_ENGINE_PYTHON")
     # called before the engine loads its plugins: the kernel here is still the one vLLM ships
     return ["expand_kernel"] if fixes.expand_is_broken(cpu_triton_utils._expand_kernel_impl) else []
 

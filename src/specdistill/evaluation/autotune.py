@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verifier import TargetVerifier
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdistill.decoding.loop import Proposer, SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.protocols import Proposer, SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.evaluation.accounting import Tally
 from specdistill.evaluation.prompts import Conversation  # noqa: F401 (its runs take them)

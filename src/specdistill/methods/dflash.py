@@ -57,7 +57,7 @@ def build(mcfg: DFlashMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], t
     return Built(module, drafter, save)
 
 
-def drafting(ecfg: Any, target: Any) -> Drafting:
+def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
     from specdistill.decoding.dflash import DFlashProposer
     from specdistill.models.dflash import load_dflash
     from specdistill.models.heads_io import parameter_bytes, training_summary
@@ -110,7 +110,8 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     from specdistill.decoding.dflash import DFlashProposer
     from specdistill.models.dflash import load_dflash
 
-    drafter = load_dflash(scfg.dflash_path, target.model, dtype=target.model.dtype, target_fingerprint=target.fingerprint)
+    drafter = load_dflash(scfg.dflash_path, target.model, dtype=target.model.dtype,
+                          target_fingerprint=target.fingerprint)
     return DFlashProposer(drafter, k=k)
 
 
@@ -130,6 +131,6 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
 
 
 register(Method("dflash", __doc__, config=DFlashMethodConfig, build=build, label=label, reads_hidden=True,
-                precomputed=True, check=check, draft=drafting, sampled_chain=sampled_chain, export=export,
-                engine=engine, max_k=max_k, ours=ours,
+                precomputed=True, check=check, draft=drafting, sampled_chain=sampled_chain,
+                export=export, engine=engine, max_k=max_k, ours=ours,
                 describe=describe, describe_training=describe_training))

@@ -11,6 +11,7 @@ from typing import Any
 
 from specdistill.errors import ConfigError
 from specdistill.methods.registry import Built, Drafting, Method, OnlineStudent, register
+from specdistill.models.draft_lm import DraftSize
 from specdistill.training.base import MethodConfigBase
 
 
@@ -67,7 +68,7 @@ def build(mcfg: DraftMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], ta
     return Built(module, draft, save)
 
 
-def drafting(ecfg: Any, target: Any) -> Drafting:
+def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
     """A trained draft (eval.draft_path) or the target's first eval.draft_layers layers, as a chain or a tree."""
     from specdistill.decoding.proposers import DraftLMProposer
     from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
@@ -144,8 +145,8 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
     return f"{s['draft']['name']} ({layers} layer{'s' if layers > 1 else ''})", s["method"]["init"]
 
 
-register(Method("draft", __doc__, describe=describe, describe_training=describe_training, config=DraftMethodConfig, build=build, label=lambda mcfg, size: size.name,
-                uses_draft_size=True, check=check, draft=drafting,
-                sampled_chain=lambda ecfg: None if ecfg.tree else "eval.tree=[...] (a top-k tree)", online=online, online_teacher="stored",
-                export=export, engine=engine,
+register(Method("draft", __doc__, describe=describe, describe_training=describe_training, config=DraftMethodConfig,
+                build=build, label=lambda mcfg, size: size.name, draft_size=DraftSize, check=check, draft=drafting,
+                sampled_chain=lambda ecfg: None if ecfg.tree else "eval.tree=[...] (a top-k tree)", online=online,
+                online_teacher="stored", export=export, engine=engine,
                 ours=ours))

@@ -56,7 +56,7 @@ def build(mcfg: EagleMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], ta
     return Built(module, head, save)
 
 
-def drafting(ecfg: Any, target: Any) -> Drafting:
+def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
     from dataclasses import asdict
 
     from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
@@ -146,7 +146,8 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
     m = s["method"]
     variant = label(EagleMethodConfig(**{k: m[k] for k in ("variant", "fc_norm", "norm_output") if k in m}), None)
     student = f"EAGLE head ({variant}, 1 layer{', TTT ' + str(m['ttt_steps']) if m['ttt_steps'] > 1 else ''})"
-    return student, ("target's last layer + LM head" if m["variant"] == "eagle1" else "random layer, target's LM head rows")
+    return student, ("target's last layer + LM head" if m["variant"] == "eagle1"
+                     else "random layer, target's LM head rows")
 
 
 def label(mcfg: Any, size: Any) -> str:
@@ -156,11 +157,22 @@ def label(mcfg: Any, size: Any) -> str:
     return mcfg.variant + ("-fc_norm" if mcfg.fc_norm else "") + ("-norm_output" if mcfg.norm_output else "")
 
 
+def check_eval(ecfg: Any) -> None:
+    from specdistill.decoding.eagle import EagleTreeConfig
+
+    try:
+        EagleTreeConfig(**ecfg.eagle_tree)  # a bad tree fails here, before the target loads
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"eval.eagle_tree: {e}") from e
+
+
 register(Method("eagle", __doc__, config=EagleMethodConfig, build=build, label=label,
-                reads_hidden=True, precomputed=True, check=check, draft=drafting, online=online, export=export,
+                reads_hidden=True, precomputed=True, check=check,
+                check_eval=check_eval, draft=drafting, online=online, export=export,
                 sampled_chain=sampled_chain, engine=engine, ours=ours, describe=describe,
                 describe_training=describe_training))
 # EAGLE-1: the same method with its own config section (methods.eagle1: variant eagle1); it shares EAGLE's
 # decoder and online path, and is not exported (vLLM serves EAGLE-1 only in its own older layout)
 register(Method("eagle1", "EAGLE-1: " + __doc__.split(". ", 1)[0], config=EagleMethodConfig, build=build,
-                label=label, reads_hidden=True, precomputed=True, check=check, describe_training=describe_training))
+                label=label, reads_hidden=True, precomputed=True, check=check,
+                describe_training=describe_training))

@@ -14,7 +14,7 @@ def proposer(ecfg: Any) -> Any:
     return PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram, ecfg.lookup_min_ngram, ecfg.lookup_branches)
 
 
-def drafting(ecfg: Any, target: Any) -> Drafting:
+def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
     return Drafting(proposer(ecfg), {}, max_depth=0, lookup_branch=False)
 
 

@@ -38,8 +38,8 @@ def build(mcfg: MedusaMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], t
 def choices(ecfg: Any) -> list[tuple[int, ...]]:
     """The Medusa tree to verify: explicit choices, the saved tree of `medusa_budget` nodes, or one grown
     to that budget from the per-rank accuracies saved beside the heads."""
-    from specdistill.decoding.medusa import grow_tree, sort_choices
     from specdistill.models.medusa import load_trees
+    from specdistill.models.medusa_tree import grow_tree, sort_choices
 
     if ecfg.medusa_choices:
         return sort_choices(ecfg.medusa_choices)
@@ -53,7 +53,7 @@ def choices(ecfg: Any) -> list[tuple[int, ...]]:
                       "give eval.medusa_choices")
 
 
-def drafting(ecfg: Any, target: Any) -> Drafting:
+def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
     from specdistill.decoding.medusa import MedusaProposer
     from specdistill.models.heads_io import parameter_bytes, training_summary
     from specdistill.models.medusa import load_medusa

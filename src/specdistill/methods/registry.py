@@ -61,9 +61,12 @@ class Method:
     label: Callable[[Any, Any], str] | None = None
     reads_hidden: bool = False
     precomputed: bool = False
-    uses_draft_size: bool = False
+    draft_size: type | None = None  # the dataclass of `methods.<m>.draft` (conf/draft/), for a method sized there
     check: Callable[[Any], None] | None = None  # the method's own checks of its config, before the target loads
-    draft: Callable[[Any, Any], Drafting] | None = None
+    check_eval: Callable[[Any], None] | None = None  # its checks of the eval section, at the evaluate stage's start
+    # evaluate: (the eval section, the target, its own settings) -> Drafting. Own settings: a method that trains
+    # nothing keeps them in `methods.<m>`, parsed by its `config` (`own_settings`); None for the others
+    draft: Callable[[Any, Any, Any], Drafting] | None = None
     # evaluate's lookup branch (a union of deterministic trees): None when the method takes no branch; else
     # ecfg -> the setting that makes its draft deterministic when it would sample a chain, or None when it is
     sampled_chain: Callable[[Any], str | None] | None = None
@@ -109,6 +112,21 @@ def describe_training(settings: dict[str, Any]) -> tuple[str, str]:
     if method is None or method.describe_training is None:
         return settings["method"].get("name", "?"), "–"
     return method.describe_training(settings)
+
+
+def own_settings(cfg: dict[str, Any], name: str) -> Any:
+    """The settings of a method that trains nothing (no `build`): its `methods.<name>` section as its `config`
+    dataclass, checked like any section. None for a method that trains (its section is the train stage's)."""
+    from specdistill.config import section
+
+    method = REGISTRY[name]
+    if method.config is None or method.build is not None:
+        return None
+    values = (cfg.get("methods") or {}).get(name)
+    if values is None:
+        raise ConfigError(f"method={name} reads its settings from methods.{name}: add conf/methods/{name}.yaml to "
+                          "conf/config.yaml's defaults (`- methods@methods.{name}: {name}`)")
+    return section(method.config, dict(values), f"methods.{name}")
 
 
 def get(name: str, capability: str, key: str = "method") -> Method:

@@ -207,7 +207,8 @@ def build_dflash(target: Any, feature_layers: list[int], num_layers: int, block_
                        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
                        rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
                        rope_parameters=copy.deepcopy(getattr(t, "rope_parameters", None)), num_layers=num_layers,
-                       block_size=block_size, vocab_size=t.vocab_size, draft_vocab_size=None if d2t is None else len(d2t),
+                       block_size=block_size, vocab_size=t.vocab_size,
+                       draft_vocab_size=None if d2t is None else len(d2t),
                        feature_layers=list(feature_layers), mask_token_id=mask_token_id,
                        target_num_layers=t.num_hidden_layers, target_fingerprint=fingerprint)
     torch.manual_seed(seed)
@@ -240,7 +241,8 @@ def load_dflash(path: str | Path, target: Any, dtype: torch.dtype = torch.float3
     emb = target.get_input_embeddings().weight
     if cfg.vocab_size != emb.shape[0] or cfg.hidden_size != emb.shape[1]:
         raise DFlashError(f"the DFlash drafter at {path} is for a target of vocabulary {cfg.vocab_size} and width "
-                          f"{cfg.hidden_size}; this one has {tuple(emb.shape)}: train one for it (`dvc repro train@dflash`)")
+                          f"{cfg.hidden_size}; this one has {tuple(emb.shape)}: "
+                          "train one for it (`dvc repro train@dflash`)")
     drafter = DFlashDrafter(cfg, target.get_input_embeddings(), d2t=state.get("d2t"))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if [m for m in missing if "rotary" not in m] or unexpected:

@@ -165,7 +165,8 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     return draft.to(dtype).eval()
 
 
-def draft_vocabulary(token_lists: Any, n: int, vocab_size: int, always: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+def draft_vocabulary(token_lists: Any, n: int, vocab_size: int,
+                     always: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
     """d2t: the `n` most frequent tokens (ties by id), sorted; `always` (e.g. stop tokens) included."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids in token_lists:

@@ -90,12 +90,6 @@ class EagleConfig:
         return cfg
 
 
-def default_feature_layers(variant: str, num_layers: int) -> list[int]:
-    """HiddenTap indices (0 = embeddings, i = output of layer i): EAGLE-3's low/middle/high default is
-    hidden_states [2, L//2, L-3], as the reference code and vLLM/SGLang take when none are given."""
-    return [num_layers] if variant == "eagle1" else [2, num_layers // 2, num_layers - 3]
-
-
 def unit_rms(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """h / rms(h) per token: the scale-free part of a state, which the target's final RMSNorm sees."""
     h = h.float()

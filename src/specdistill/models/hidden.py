@@ -47,7 +47,8 @@ class HiddenTap:
 
     def __enter__(self) -> HiddenTap:
         self.states = {}
-        self._handles = [m.register_forward_hook(partial(self._keep, idx)) for idx, m in zip(self.layers, self.modules, strict=True)]
+        self._handles = [m.register_forward_hook(partial(self._keep, idx))
+                         for idx, m in zip(self.layers, self.modules, strict=True)]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -58,3 +59,11 @@ class HiddenTap:
     def concat(self) -> torch.Tensor:
         """The requested states side by side, [B, T, H * len(layers)] (EAGLE-3 fuses three layers)."""
         return torch.cat([self.states[idx] for idx in self.layers], dim=-1)
+
+
+def default_feature_layers(variant: str, num_layers: int) -> list[int]:
+    """The target layers a head reads by default, as HiddenTap indices (0 = embeddings, i = output of layer i):
+    fused low/middle/high [2, L//2, L-3] (EAGLE-3's, as the reference code and vLLM/SGLang take when none are
+    given; DFlash reads the same), or the last layer's output for "eagle1". The features store holds their union,
+    so its stage needs no method's code."""
+    return [num_layers] if variant == "eagle1" else [2, num_layers // 2, num_layers - 3]

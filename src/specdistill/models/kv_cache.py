@@ -70,7 +70,8 @@ class PreallocatedLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens (negative, as in DynamicLayer), or keep `n >= 0`."""
-        self.length = max(self.length + tokens_to_remove, 0) if tokens_to_remove < 0 else min(tokens_to_remove, self.length)
+        self.length = (max(self.length + tokens_to_remove, 0) if tokens_to_remove < 0
+                       else min(tokens_to_remove, self.length))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._k is not None:

@@ -122,5 +122,6 @@ def load_medusa(path: str | Path, dtype: torch.dtype = torch.float32, target_fin
 def load_trees(path: str | Path) -> dict[str, Any]:
     f = Path(path) / TREE_FILE
     if not f.exists():
-        raise MedusaError(f"{f} is missing: train@medusa writes the trees beside the heads; or give eval.medusa_choices")
+        raise MedusaError(f"{f} is missing: train@medusa writes the trees beside the heads; "
+                          "or give eval.medusa_choices")
     return json.loads(f.read_text())

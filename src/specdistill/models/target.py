@@ -52,7 +52,8 @@ class TargetConfig:
     def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise TargetError(f"unknown target config keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+            raise TargetError(f"unknown target config keys {sorted(unknown)}; "
+                              f"known: {sorted(cls.__dataclass_fields__)}")
         return cls(**d)
 
 
@@ -100,6 +101,15 @@ class Target:
         return next(self.model.parameters()).dtype
 
     @property
+    def stop_ids(self) -> set[int]:
+        return stop_ids(self.model, self.tokenizer)
+
+    @property
+    def pad_id(self) -> int:
+        """What pads a batch: the tokenizer's pad token, else 0 (padded positions are masked, never read)."""
+        return self.tokenizer.pad_token_id or 0
+
+    @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
@@ -117,6 +127,19 @@ class Target:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, use_cache=cache is not None, logits_to_keep=logits_to_keep)
         return TargetOutput(logits=out.logits.float(), hidden=tap.states, cache=getattr(out, "cache", None))
+
+
+def stop_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The ids that end a generation: the eos of the model's generation_config and of its tokenizer (either may be
+    None: the engine's side has only the tokenizer)."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list | tuple) else [eos])
+    if not ids:
+        raise TargetError("the target has no eos token: set one on its tokenizer or generation_config")
+    return ids
 
 
 def load_tokenizer(cfg: TargetConfig) -> Any:

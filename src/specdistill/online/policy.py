@@ -41,7 +41,8 @@ class OnlineConfig:
         "k": "[1, 64]", "update_every": "[1, inf)", "min_rejected": "[0, inf)", "steps": "[1, inf)",
         "batch_size": "[1, inf)", "lr": "(0, inf)", "topk": "[1, inf)", "replay_accepted": "[0, inf)",
         "replay_offline": "[0, 1]", "buffer_tokens": "[1, inf)", "window": "[1, inf)", "patience": "[1, inf)",
-        "epsilon": "[0, inf)", "rearm": "[0, 1]", "gate": "[0, inf)", "gate_tolerance": "[0, 1]", "save_every": "[1, inf)"}
+        "epsilon": "[0, inf)", "rearm": "[0, 1]", "gate": "[0, inf)", "gate_tolerance": "[0, 1]",
+        "save_every": "[1, inf)"}
 
     def __post_init__(self) -> None:
         from specdistill import methods
@@ -56,8 +57,8 @@ class OnlineConfig:
             raise ValueError(f"online.gate={self.gate} and online.gate_tolerance={self.gate_tolerance} must be >= 0 "
                              "(gate 0: every update is deployed unchecked)")
         if self.gate >= self.update_every:
-            raise ValueError(f"online.gate={self.gate} must be below online.update_every={self.update_every}: an update "
-                             "trains on the requests before its gate")
+            raise ValueError(f"online.gate={self.gate} must be below online.update_every={self.update_every}: "
+                             "an update trains on the requests before its gate")
         if self.rearm < 0:
             raise ValueError(f"online.rearm={self.rearm} must be >= 0 (0: never resume after stopping)")
         for key in ("replay_accepted", "replay_offline"):

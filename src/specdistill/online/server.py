@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from specdistill.decoding.loop import SamplingConfig, speculative_generate
+from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.online.buffer import RejectionBuffer
 from specdistill.online.policy import OnlineConfig, StoppingRule
 from specdistill.online.recorder import RecordingVerifier, RequestRecord
@@ -187,7 +188,8 @@ class OnlineDistiller:
         if deployed and self.save is not None and self.save_dir is not None and self.version % self.cfg.save_every == 0:
             self.save(self.save_dir / f"v{self.version:03d}-r{up.request:04d}", up.request)
         log.info("online update after %d requests: loss %.4f on %d positions, %.1f s; %s%s", up.request, up.loss,
-                 positions, up.seconds, "" if gate is None else f"gate acceptance {before:.3f} -> {up.gate_after:.3f}: ",
+                 positions, up.seconds,
+                 "" if gate is None else f"gate acceptance {before:.3f} -> {up.gate_after:.3f}: ",
                  f"deployed as version {self.version}" if deployed else "rolled back")
         return up
 

@@ -29,7 +29,8 @@ def online_tables(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]]
              "tokens were rejected (the target's distribution there comes from the verification it already ran);",
              "the same stream is served by the frozen draft. Held out: the next requests, served by the draft as",
              "it stood after the stream and by the frozen draft. Acceptance rate = accepted / judged draft tokens.", "",
-             "| run | scenario | part | requests | frozen acceptance | online acceptance | gain | frozen tau | online tau |",
+             "| run | scenario | part | requests | frozen acceptance | online acceptance | gain | frozen tau | "
+             "online tau |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, (m, _) in runs.items():
         for part in ("stream", "held_out"):

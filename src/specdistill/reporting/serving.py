@@ -34,7 +34,8 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
              f"vLLM {any_s.get('vllm')} (its own environment, torch {any_s.get('engine_torch')}), "
              f"{any_s.get('engine_dtype')}, threads bound to {any_s.get('threads')}, Intel OpenMP "
              f"{'preloaded' if any_s.get('iomp') else 'not preloaded'}, on {any_s.get('device')}; "
-             f"{any_s.get('num_prompts')} prompts per dataset (first turn), max_new_tokens {any_s.get('max_new_tokens')}; "
+             f"{any_s.get('num_prompts')} prompts per dataset (first turn), "
+             f"max_new_tokens {any_s.get('max_new_tokens')}; "
              "a run at concurrency c sends max(prompts, 2c) requests through a client that keeps c in flight. "
              "Speed-up: output tokens/s over the same engine without speculation on the same requests; "
              "tau = 1 + accepted / drafts from the engine's own counters. K is chosen per concurrency "
@@ -62,7 +63,8 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
         if spec:
             lines += ["", f"To serve {method} as measured: `vllm serve models/export/target --speculative-config "
                       f"'{json.dumps(spec)}'` (the draft path as exported)."]
-    lines += ["", "At the best K, per dataset and temperature. Step cost: what one speculative step of the engine costs in "
+    lines += ["", "At the best K, per dataset and temperature. "
+              "Step cost: what one speculative step of the engine costs in "
               "steps of the engine alone, tau / speed-up (drafting, the wider verification and the engine's own "
               "bookkeeping together); a speed-up s needs tau >= s x that cost.", "",
               "| method | dataset | T | c | K | tau | alpha_pos1 | tokens/s | engine alone | speed-up | step cost | "
@@ -75,7 +77,8 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
                     k = m["chosen_k"][c]["k"]
                     row, ar = cell[f"k{k}"], cell["ar"]
                     lines.append(f"| {method} | {ds} | {t[1:]} | {c[1:]} | {k} | {_f(row.get('tau'))} | "
-                                 f"{_f(row.get('alpha_pos1'))} | {row['tokens_per_s']:.1f} | {ar['tokens_per_s']:.1f} | "
+                                 f"{_f(row.get('alpha_pos1'))} | {row['tokens_per_s']:.1f} | "
+                                 f"{ar['tokens_per_s']:.1f} | "
                                  f"{row['speedup']:.2f}x | {_f(step_cost(row))} | {row['latency_p50_s']:.2f} | "
                                  f"{ar['latency_p50_s']:.2f} |")
     suspect = [(method, cell) for method, m in serve.items() for cell in m.get("above_tau", [])]
@@ -103,7 +106,8 @@ def agreement_table(serve: dict[str, dict[str, Any]]) -> list[str]:
              "the prompt count). For ngram the two lookup rules may take different earlier matches (vLLM: the "
              "longest n-gram's rightmost match; ours: the latest match of the longest n-gram), so there a gap is "
              "a difference of rule, for EAGLE a bug.", "",
-             "| method | dataset | K | drafts (engine / ours) | tau (engine / ours) | alpha by position, engine | ours | z |",
+             "| method | dataset | K | drafts (engine / ours) | tau (engine / ours) | alpha by position, engine | "
+             "ours | z |",
              "|---|---|---|---|---|---|---|---|"]
     for method, ds, a in rows:
         e, o, k = a["engine"], a["ours"], a["k"]

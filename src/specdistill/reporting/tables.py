@@ -60,7 +60,8 @@ def lookup_branch(settings: dict[str, Any]) -> str:
 
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     """Seconds in the draft and in target verification per speculative run: where a draft's cost shows."""
-    lines = ["| evaluated | setting | draft parameters | draft s | verify s | draft share | tau | speed-up vs AR (95% CI) |",
+    lines = ["| evaluated | setting | draft parameters | draft s | verify s | draft share | tau | "
+             "speed-up vs AR (95% CI) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, dataset, temp, m in settings(all_metrics):
         s = m.get("spec", {})
@@ -68,13 +69,15 @@ def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
             continue
         total = s["draft_s"] + s["verify_s"]
         params = all_metrics[name]["settings"].get("draft_parameters")
-        lines.append(f"| {name} | {dataset}/{temp} | {f'{params / 1e6:.1f}M' if params else '–'} | {s['draft_s']:.2f} | "
+        lines.append(f"| {name} | {dataset}/{temp} | {f'{params / 1e6:.1f}M' if params else '–'} | "
+                     f"{s['draft_s']:.2f} | "
                      f"{s['verify_s']:.2f} | {s['draft_s'] / total:.0%} | {_fmt(s.get('tau'))} | {speedup_cell(s)} |")
     return lines
 
 
 def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: str) -> list[str]:
-    lines = ["| evaluated | method | draft | loss | alpha_pos1 | tau | tokens/s | speed-up vs AR (95% CI) | vs HF assisted |",
+    lines = ["| evaluated | method | draft | loss | alpha_pos1 | tau | tokens/s | speed-up vs AR (95% CI) | "
+             "vs HF assisted |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, metrics in sorted(all_metrics.items()):
         m = metrics["results"].get(dataset, {}).get(temp)
@@ -86,7 +89,8 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
                 continue
             s = m[key]
             label = ROW_NAMES[key] if key != "spec" else f"speculative ({name})"
-            vs_hf = _fmt(s.get("speedup_vs_hf_assisted")) + "x" if key == "spec" and "speedup_vs_hf_assisted" in s else "–"
+            vs_hf = (_fmt(s.get("speedup_vs_hf_assisted")) + "x" if key == "spec" and "speedup_vs_hf_assisted" in s
+                     else "–")
             lines.append(f"| {name} | {label} | {draft if key in ('spec', 'hf_assisted') else '–'} | "
                          f"{loss if key == 'spec' else '–'} | {_fmt(s.get('alpha_pos1'))} | {_fmt(s.get('tau'))} | "
                          f"{_fmt(s['tokens_per_s'], 1)} | {speedup_cell(s, interval=key != 'ar')} | {vs_hf} |")
@@ -95,7 +99,8 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
 
 def formula_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     """Eq. 2 (docs/definitions.md) against measurement: tau predicted from measured alpha vs tau measured."""
-    lines = ["| evaluated | setting | K | measured alpha_pos1 | mean alpha over positions | 1 + sum_k prod alpha_i (measured alpha_k) | "
+    lines = ["| evaluated | setting | K | measured alpha_pos1 | mean alpha over positions | "
+             "1 + sum_k prod alpha_i (measured alpha_k) | "
              "1 + sum_k alpha^k (truncated) | 1/(1-alpha) | measured tau |", "|---|---|---|---|---|---|---|---|---|"]
     for name, dataset, temp, m in settings(all_metrics):
         s = m.get("spec", {})
@@ -119,7 +124,8 @@ def tv_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
         if "alpha_exact_pos1" not in s:
             continue
         lines.append(f"| {name} | {dataset}/{temp} | {s['drafted_positions']} | {_fmt(s.get('alpha_pos1'), 3)} | "
-                     f"{s['alpha_exact_pos1']:.3f} | {_fmt(s.get('pinsker_bound_pos1'), 3)} | {s['pinsker_violations']} |")
+                     f"{s['alpha_exact_pos1']:.3f} | {_fmt(s.get('pinsker_bound_pos1'), 3)} | "
+                     f"{s['pinsker_violations']} |")
     return lines
 
 

@@ -25,7 +25,8 @@ def load_curves(plots_dir: Path, names: list[str]) -> dict[str, list[dict[str, f
         f = plots_dir / f"train_{name}" / "val.csv"
         if f.exists():
             with open(f) as fh:
-                curves[name] = [{k: float(v) for k, v in row.items() if v not in ("", "None")} for row in csv.DictReader(fh)]
+                curves[name] = [{k: float(v) for k, v in row.items() if v not in ("", "None")}
+                                for row in csv.DictReader(fh)]
     return curves
 
 
@@ -96,7 +97,7 @@ def alpha_curves(curves: dict[str, list[dict[str, float]]], path: Path, labels: 
 
 def medusa_tables(runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str, Any]]) -> list[str]:
     """Per-head accuracy, the trees grown from it, and exercises 3 and 4 (docs/definitions.md), from measurement."""
-    from specdistill.decoding.medusa import cartesian_choices, expected_accepted
+    from specdistill.models.medusa_tree import cartesian_choices, expected_accepted
 
     lines: list[str] = []
     for name, r in runs.items():
@@ -109,8 +110,8 @@ def medusa_tables(runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str
                   "| head | predicts | top-1 | top-5 | alpha (T=1) |", "|---|---|---|---|---|"]
         lines += [f"| {i} | x(t+{i + 1}) | {f[f'val/head{i}_top1']:.3f} | {f[f'val/head{i}_top5']:.3f} | "
                   f"{f[f'val/head{i}_alpha']:.3f} |" for i in range(1, k + 1)]
-        lines += ["", "Trees grown from these accuracies (best-first by path probability, heads taken as independent):", "",
-                  "| nodes | depth | candidate sequences (leaves) | expected tau |", "|---|---|---|---|"]
+        lines += ["", "Trees grown from these accuracies (best-first by path probability, heads taken as independent):",
+                  "", "| nodes | depth | candidate sequences (leaves) | expected tau |", "|---|---|---|---|"]
         for b, t in sorted(r["trees"]["trees"].items(), key=lambda kv: int(kv[0])):
             choices = [tuple(c) for c in t["choices"]]
             leaves = sum(1 for c in choices if not any(len(o) == len(c) + 1 and o[:-1] == c for o in choices))
@@ -118,26 +119,29 @@ def medusa_tables(runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str
         if k >= 3:
             full = cartesian_choices(3, 3)
             chosen = [tuple(c) for c in min(r["trees"]["trees"].values(), key=lambda t: len(t["choices"]))["choices"]]
-            lines += ["", "**Exercise 3** (3 heads, top-3 each): the full cartesian tree has 3^3 = 27 candidate sequences "
-                      f"and {len(full)} tree tokens (3 + 9 + 27), for an expected tau of "
+            lines += ["", "**Exercise 3** (3 heads, top-3 each): the full cartesian tree has 3^3 = 27 candidate "
+                      f"sequences and {len(full)} tree tokens (3 + 9 + 27), for an expected tau of "
                       f"{1 + expected_accepted(full, acc):.2f} under the measured accuracies; the chosen tree spends "
                       f"{len(chosen)} tokens for {1 + expected_accepted(chosen, acc):.2f}."]
         lines += ["", *medusa_memory(r, runs, evaluated), ""]
     return lines
 
 
-def medusa_memory(medusa: dict[str, Any], runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str, Any]]) -> list[str]:
+def medusa_memory(medusa: dict[str, Any], runs: dict[str, dict[str, Any]],
+                  evaluated: dict[str, dict[str, Any]]) -> list[str]:
     """Exercise 4: the memory of the Medusa heads against the separate draft (parameters; bytes at bf16)."""
     rows = ["**Exercise 4**, memory at bf16 (2 bytes a parameter): what each method adds to the target's 135M.", "",
             "| method | parameters | bytes (bf16) | note |", "|---|---|---|---|"]
     n = medusa["settings"]["draft_parameters"]
     rows.append(f"| Medusa heads | {n / 1e6:.1f}M | {n * 2 / 2**20:.0f} MiB | "
-                f"{medusa['settings']['method']['num_heads']} heads, vocabulary {medusa['settings'].get('draft_vocab') or 'full'} |")
+                f"{medusa['settings']['method']['num_heads']} heads, "
+                f"vocabulary {medusa['settings'].get('draft_vocab') or 'full'} |")
     for name, r in runs.items():
         if r["settings"]["method"].get("name", "draft") == "draft":
             d = r["settings"]["draft_parameters"]
-            rows.append(f"| separate draft `{name}` | {d / 1e6:.1f}M | {d * 2 / 2**20:.0f} MiB | includes its own copy of "
-                        "the input embeddings (28M), which a deployment could share with the target |")
+            rows.append(f"| separate draft `{name}` | {d / 1e6:.1f}M | {d * 2 / 2**20:.0f} MiB | "
+                        "includes its own copy of the input embeddings (28M), "
+                        "which a deployment could share with the target |")
     return rows
 
 
@@ -155,7 +159,8 @@ def eagle_table(runs: dict[str, dict[str, Any]]) -> list[str]:
              f"| run | {head} | tau_sim K=4 (T=1 / T=0) | vocabulary coverage |", "|---|" + "---|" * (k + 2)]
     for name, r in rows.items():
         f = r["final"]
-        cells = " | ".join(f"{f.get(f'val/alpha_pos{i}', 0):.3f} / {f.get(f'val/alpha_pos{i}_t0', 0):.3f}" for i in range(1, k + 1))
+        cells = " | ".join(f"{f.get(f'val/alpha_pos{i}', 0):.3f} / {f.get(f'val/alpha_pos{i}_t0', 0):.3f}"
+                           for i in range(1, k + 1))
         cov = f.get("val/vocab_coverage")
         lines.append(f"| {name} | {cells} | {f.get('val/tau_sim', 0):.2f} / {f.get('val/tau_sim_t0', 0):.2f} | "
                       f"{'–' if cov is None else f'{cov:.3f}'} |")

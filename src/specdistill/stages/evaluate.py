@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from specdistill import methods
-from specdistill.data.generation import stop_ids
-from specdistill.decoding.eagle import EagleTreeConfig
-from specdistill.decoding.proposers import PromptLookupProposer
+from specdistill.config import section
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.autotune import DepthCapped, choose_depth
 from specdistill.evaluation.prompts import SPLITS, chat_encoder, load_conversations, stratified_order  # noqa: F401
 from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
+from specdistill.hardware import environment
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.records import headline_of_evaluation, metrics_files, write_record
-from specdistill.stages.common import ConfigError, check_outputs, environment, section
+from specdistill.stages.common import ConfigError, check_outputs
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,8 @@ class EvalConfig:
     seed: int = 0
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "temperatures": "[0, 2]", "top_p": "(0, 1]",
-        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "depth": "[0, 64]", "draft_layers": "[1, inf)", "medusa_budget": "[1, inf)",
+        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "depth": "[0, 64]", "draft_layers": "[1, inf)",
+        "medusa_budget": "[1, inf)",
         "lookup_k": "[1, 64]", "lookup_max_ngram": "[1, inf)", "lookup_min_ngram": "[1, inf)",
         "lookup_branches": "[1, 64]", "capacity": "[64, inf)", "dflash_k": "[1, 64]",
         "dflash_branching": "[1, 64]"}
@@ -83,30 +83,32 @@ class EvalConfig:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
         if isinstance(self.depth, str) and self.depth != "auto":
             raise ConfigError(f"eval.depth={self.depth!r}: a depth (0 = plain AR), auto, or null (the method's own)")
-        try:
-            EagleTreeConfig(**self.eagle_tree)  # a bad tree fails here, before the target loads
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"eval.eagle_tree: {e}") from e
+        if method.check_eval is not None:  # the method's own keys (a bad EAGLE tree), before the target loads
+            method.check_eval(self)
         if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram or self.lookup_k < 1 or self.lookup_branches < 1:
-            raise ConfigError(f"eval.lookup_*: need 1 <= lookup_min_ngram ({self.lookup_min_ngram}) <= lookup_max_ngram "
-                              f"({self.lookup_max_ngram}), lookup_k >= 1 ({self.lookup_k}) and lookup_branches >= 1 "
-                              f"({self.lookup_branches})")
+            raise ConfigError(f"eval.lookup_*: need 1 <= lookup_min_ngram ({self.lookup_min_ngram}) <= "
+                              f"lookup_max_ngram ({self.lookup_max_ngram}), lookup_k >= 1 ({self.lookup_k}) "
+                              f"and lookup_branches >= 1 ({self.lookup_branches})")
         if self.lookup_branch:
             if method.sampled_chain is None:
-                raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: set eval.method "
-                                  f"to one of {[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"
+                raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: "
+                                  "set eval.method to one of "
+                                  f"{[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"
                                   f", or eval.lookup_branch=false (method={self.method} is the chain alone)")
             fix = method.sampled_chain(self)  # a chain sampled at T > 0 cannot merge with a deterministic tree
             if fix and any(t > 0 for t in self.temperatures):
-                raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but method={self.method} drafts "
-                                  f"a chain by sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
+                raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but method={self.method} "
+                                  f"drafts a chain by sampling at temperature > 0: use {fix}, "
+                                  "or eval.temperatures=[0.0]")
 
 
+LOOKUP = "lookup"  # the registered method eval.lookup_* configure (its row and branch beside any draft)
 PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ecfg = section(EvalConfig, eval_item(cfg), "eval")
+    own = methods.own_settings(cfg, ecfg.method)  # a model-free method's own section, checked before the target loads
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
     metrics_file = Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"
@@ -122,14 +124,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if ecfg.depth == "auto" else []
     target = load_target(tcfg)
     tok, model = target.tokenizer, target.model
-    stops = stop_ids(model, tok)
+    stops = target.stop_ids
     encode = chat_encoder(tok)
     # the method's own proposer (missing heads or trees fail here, before any decoding)
-    drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target)
+    drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, own)
     max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, drafting.max_depth)
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
-    lookup = PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram, ecfg.lookup_min_ngram, ecfg.lookup_branches)
+    # prompt lookup's own drafting: the chain eval.lookup_branch adds and the row a draft may report beside it
+    lookup = methods.get(LOOKUP, "evaluate").draft(ecfg, target, None).proposer
     spec = drafting.proposer
     if ecfg.lookup_branch and drafting.lookup_branch:  # the draft and a prompt-lookup chain as one tree
         spec = UnionProposer(spec, lookup)
@@ -138,7 +141,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     depth = auto["depth"] if auto else ecfg.depth
     if depth is not None:
         spec = DepthCapped(spec, depth)
-    pad = tok.pad_token_id or 0
+    pad = target.pad_id
     rows = [ours("ar", None)]
     if ecfg.hf_baselines:
         rows.append(hf_method("hf_generate", model, ecfg.max_new_tokens, stops, pad))
@@ -160,13 +163,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         res = run_benchmark(rows, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
         metrics = summarise(res, ecfg.method, settings)
         paths = cfg.get("paths") or {}
-        write_outputs(metrics, res, name, Path(paths.get("metrics_dir", "metrics")), Path(paths.get("plots_dir", "plots")))
+        write_outputs(metrics, res, name, Path(paths.get("metrics_dir", "metrics")),
+                      Path(paths.get("plots_dir", "plots")))
         log_wandb(wb, metrics)
     for ds_name, temps in metrics["results"].items():
         for temp, m in temps.items():
             spec = m["spec"]
-            log.info("%s %s: tau %.2f, speed-up %.2fx over AR (%.1f vs %.1f tok/s)%s", ds_name, temp, spec.get("tau", 1),
-                     spec.get("speedup", 0), spec["tokens_per_s"], m["ar"]["tokens_per_s"],
+            log.info("%s %s: tau %.2f, speed-up %.2fx over AR (%.1f vs %.1f tok/s)%s", ds_name, temp,
+                     spec.get("tau", 1), spec.get("speedup", 0), spec["tokens_per_s"], m["ar"]["tokens_per_s"],
                      f", {spec['tokens_per_s'] / m['hf_assisted']['tokens_per_s']:.2f}x HF assisted"
                      if "hf_assisted" in m else "")
     return metrics
@@ -180,7 +184,8 @@ def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
     item = dict((cfg.get("evals") or {}).get(key) or {})
     for k in sorted(set(item) & set(shared)):
         if item[k] != shared[k] and k != "method":
-            log.info("evals.%s.%s=%r over eval.%s=%r (set evals.%s.%s to change it)", key, k, item[k], k, shared[k], key, k)
+            log.info("evals.%s.%s=%r over eval.%s=%r (set evals.%s.%s to change it)", key, k, item[k], k, shared[k],
+                     key, k)
     return {**shared, **item}
 
 
@@ -202,8 +207,10 @@ def summarise(res: Any, method: str, settings: dict[str, Any]) -> dict[str, Any]
     for temps in out["results"].values():
         for m in temps.values():
             if "hf_assisted" in m:
-                m["spec"]["speedup_vs_hf_assisted"] = round(m["spec"]["tokens_per_s"] / m["hf_assisted"]["tokens_per_s"], 4)
-            m["spec"]["speedup_vs_hf_generate"] = (round(m["spec"]["tokens_per_s"] / m["hf_generate"]["tokens_per_s"], 4)
+                m["spec"]["speedup_vs_hf_assisted"] = round(m["spec"]["tokens_per_s"]
+                                                            / m["hf_assisted"]["tokens_per_s"], 4)
+            m["spec"]["speedup_vs_hf_generate"] = (round(m["spec"]["tokens_per_s"]
+                                                         / m["hf_generate"]["tokens_per_s"], 4)
                                                    if "hf_generate" in m else None)
     return out
 
@@ -227,7 +234,8 @@ def write_outputs(metrics: dict[str, Any], res: Any, method: str, metrics_dir: P
             for ds_name, temps in metrics["results"].items():
                 for temp, m in temps.items():
                     for name, s in m.items():
-                        w.writerow([f"{ds_name}/{temp}", name, s["tokens_per_s"], s.get("speedup", ""), s.get("tau", "")])
+                        w.writerow([f"{ds_name}/{temp}", name, s["tokens_per_s"], s.get("speedup", ""),
+                                    s.get("tau", "")])
         with open(tmp / "samples.jsonl", "w") as f:
             for row in res.samples:
                 f.write(json.dumps(row) + "\n")
@@ -250,5 +258,6 @@ def log_wandb(run: Any, metrics: dict[str, Any]) -> None:
             rows = [[int(k[9:]), v] for k, v in spec.items() if k.startswith("alpha_pos")]
             if rows:
                 table = wandb.Table(data=rows, columns=["position", "alpha"])
-                run.log({f"{prefix}/alpha_by_position": wandb.plot.line(table, "position", "alpha",
-                                                                        title=f"acceptance by position, {ds_name} {temp}")})
+                run.log({f"{prefix}/alpha_by_position":
+                         wandb.plot.line(table, "position", "alpha",
+                                         title=f"acceptance by position, {ds_name} {temp}")})

@@ -17,9 +17,10 @@ from typing import Any, ClassVar
 import torch
 
 from specdistill import methods
+from specdistill.config import section
 from specdistill.export.target import ExportError, export_target
 from specdistill.models.target import TargetConfig, load_target
-from specdistill.stages.common import ConfigError, check_outputs, section
+from specdistill.stages.common import ConfigError, check_outputs
 from specdistill.tracking import log_folder, wandb_run
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                    group=cfg.get("experiment_name", "default"), config=cfg) as run_:
         if ecfg.method == "target":
             target = load_target(tcfg)
-            export_target(target.model, target.tokenizer, out, target.fingerprint, dtype=DTYPES[ecfg.dtype or tcfg.dtype])
+            export_target(target.model, target.tokenizer, out, target.fingerprint,
+                          dtype=DTYPES[ecfg.dtype or tcfg.dtype])
             log.info("wrote %s (serve it: `vllm serve %s`, or with a draft: export@<method>)", out, out)
         else:  # the method loads the target only if its export needs it
             methods.get(ecfg.method, "export", "export.method").export(ecfg, out, target_dir, lambda: load_target(tcfg))

@@ -14,6 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from specdistill.config import section
 from specdistill.data.datamodule import DataConfig, DataError, kept_spans, load_split
 from specdistill.data.features import (
     DTYPES,
@@ -25,8 +26,9 @@ from specdistill.data.features import (
 )
 from specdistill.data.generation import prepare_output
 from specdistill.engine.client import engine_version
+from specdistill.hardware import environment
 from specdistill.io import write_json
-from specdistill.models.eagle import default_feature_layers
+from specdistill.models.hidden import default_feature_layers
 from specdistill.models.target import (
     TargetConfig,
     context_length,
@@ -34,14 +36,15 @@ from specdistill.models.target import (
     load_target_config,
     target_fingerprint,
 )
-from specdistill.stages.common import check_outputs, environment, section
+from specdistill.stages.common import check_outputs
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
 
 def default_layers(num_layers: int) -> list[int]:
-    """What method=eagle and method=eagle1 read by default, so one store serves both."""
+    """What the heads that read the store (EAGLE-3 and DFlash: fused layers; EAGLE-1: the last) read by default,
+    so one store serves them all."""
     return sorted(set(default_feature_layers("eagle3", num_layers)) | set(default_feature_layers("eagle1", num_layers)))
 
 
@@ -89,7 +92,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             spans = [(int(keep[j]), int(pk[j]), int(rk[j])) for j in batch]
             rows = [(seqs[i][full_p[i] - p:full_p[i] + r], p, r) for i, p, r in spans]
             for j, part in zip(batch, compute_features(target.model, rows, layers, fcfg.topk, DTYPES[fcfg.dtype],
-                                                       target.tokenizer.pad_token_id or 0), strict=True):
+                                                       target.pad_id), strict=True):
                 parts[j] = part
             tokens += sum(len(s) for s, _, _ in rows)
             bar.update(len(batch))

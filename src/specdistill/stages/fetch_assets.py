@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.assets import AssetsConfig, fetch_all, parse_assets
-from specdistill.stages.common import check_outputs, section
+from specdistill.config import section
+from specdistill.stages.common import check_outputs
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ from typing import Any
 import datasets
 from tqdm.auto import tqdm
 
+from specdistill.config import section
 from specdistill.data.generation import (
     GenerateConfig,
     GenerationError,
@@ -29,13 +30,13 @@ from specdistill.data.generation import (
     prepare_output,
     shard_columns,
     shard_name,
-    stop_ids,
     tokenise_prompts,
     write_shard,
 )
 from specdistill.engine.client import engine_version
 from specdistill.engine.generation import generate_with_engine
 from specdistill.export.target import export_target
+from specdistill.hardware import environment
 from specdistill.io import write_json
 from specdistill.models.target import (
     TargetConfig,
@@ -43,10 +44,11 @@ from specdistill.models.target import (
     load_target,
     load_target_config,
     load_tokenizer,
+    stop_ids,
     target_fingerprint,
 )
 from specdistill.records import metrics_files, read_record, write_record
-from specdistill.stages.common import check_outputs, environment, section
+from specdistill.stages.common import check_outputs
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     prompts_dir, out = Path(cfg["paths"]["prompts_dir"]), Path(cfg["paths"]["generated_dir"])
     timing_file = Path(cfg["paths"]["metrics_dir"]) / "generate.json"
-    check_outputs(cfg, fingerprinted={"paths.generated_dir": out}, files={"paths.metrics_dir": metrics_files(timing_file)})
+    check_outputs(cfg, fingerprinted={"paths.generated_dir": out},
+                  files={"paths.metrics_dir": metrics_files(timing_file)})
     splits = {}
     for split in gcfg.splits:
         if not (prompts_dir / split).exists():
@@ -130,7 +133,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             "target_fingerprint": target_fp,
             "fingerprint": fingerprint,
             "counts": counts,
-            "columns": ["id", "input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if gcfg.topk_logprobs else []),
+            "columns": ["id", "input_ids", "prompt_len"]
+                       + (["topk_ids", "topk_logprobs"] if gcfg.topk_logprobs else []),
             # tokens/s lives there, not here: timing would give identical data a new DVC hash on every rerun
             "timing": str(timing_file),
         }

@@ -6,7 +6,8 @@ part of HumanEval is served by the online draft (as it stands after the stream) 
 offline draft. `scenario=chat` serves held-out ShareGPT prompts instead. The same stream is also
 served by the frozen draft, so the two acceptance curves share their requests.
 
-Writes `metrics/records/online_<M>.json` (its headline: `metrics/online_<M>.json`), `plots/online_<M>/{curve,updates}.csv` and the deployed versions
+Writes `metrics/records/online_<M>.json` (its headline: `metrics/online_<M>.json`), \
+`plots/online_<M>/{curve,updates}.csv` and the deployed versions
 `models/online_<M>/v<NNN>-r<requests>/` (safetensors).
 """
 
@@ -19,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from specdistill import methods
-from specdistill.data.generation import stop_ids
+from specdistill.config import section
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.evaluation.prompts import load_prompts
+from specdistill.hardware import environment
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.online.policy import OnlineConfig
@@ -31,8 +33,6 @@ from specdistill.stages.common import (
     ConfigError,
     check_outputs,
     cross_limits,
-    environment,
-    section,
 )
 from specdistill.tracking import wandb_run
 from specdistill.training.losses import LossError, build_loss
@@ -47,8 +47,9 @@ def request_prompts(prompts_dir: Path, scenario: str, n: int) -> list[str]:
     split = {"code": "humaneval", "chat": "val"}[scenario]
     rows = load_prompts(prompts_dir, split)
     if len(rows) < n:
-        raise ConfigError(f"online: {n} requests (requests + held_out) but {prompts_dir / split} holds {len(rows)} prompts; "
-                          "lower online.requests / online.held_out" + (" or raise data.num_val" if split == "val" else ""))
+        raise ConfigError(f"online: {n} requests (requests + held_out) but {prompts_dir / split} holds {len(rows)} "
+                          "prompts; lower online.requests / online.held_out"
+                          + (" or raise data.num_val" if split == "val" else ""))
     return list(rows.select(range(n))["prompt"])
 
 
@@ -72,7 +73,7 @@ def offline_replay(cfg: dict[str, Any], ocfg: OnlineConfig, target: Any, module:
     from specdistill.data.datamodule import DataConfig, DistillDataModule
 
     dm = DistillDataModule(DataConfig(batch_size=ocfg.batch_size, seed=ocfg.seed), cfg["paths"]["generated_dir"],
-                           cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer, pad_id=target.tokenizer.pad_token_id or 0)
+                           cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer, pad_id=target.pad_id)
     dm.setup("fit")
     batches = itertools.chain.from_iterable(dm.train_dataloader() for _ in itertools.count())
     # a stored-teacher student replays through a live-teacher module sharing it; otherwise its own module
@@ -95,14 +96,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     check_outputs(cfg, names={"online.method": ocfg.method},
                   replaced={"online.method": models_dir / f"online_{ocfg.method}",
                             "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"},
-                  files={"online.method": metrics_files(Path(cfg["paths"].get("metrics_dir", "metrics")) / f"online_{ocfg.method}.json")})
+                  files={"online.method": metrics_files(Path(cfg["paths"].get("metrics_dir", "metrics"))
+                                                        / f"online_{ocfg.method}.json")})
     path = ocfg.draft_path or str(models_dir / ocfg.method)
     if not Path(path).exists():
-        raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` or set online.draft_path")
+        raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` "
+                          "or set online.draft_path")
     texts = request_prompts(Path(cfg["paths"]["prompts_dir"]), ocfg.scenario, ocfg.requests + ocfg.held_out)
     target = load_target(tcfg)
     tok = target.tokenizer
-    stops, pad_id = stop_ids(target.model, tok), tok.pad_token_id or 0
+    stops, pad_id = target.stop_ids, target.pad_id
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     stream, held_out = prompts[: ocfg.requests], prompts[ocfg.requests:]
     name = f"online_{ocfg.method}"
@@ -118,7 +121,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
     frozen = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=False)
     serve_all(frozen, stream + held_out, "frozen draft")
-    offline, offline_module = offline_replay(cfg, ocfg, target, module, replay) if ocfg.replay_offline > 0 else (None, None)
+    offline, offline_module = (offline_replay(cfg, ocfg, target, module, replay) if ocfg.replay_offline > 0
+                               else (None, None))
     online = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=True, deploy=deploy,
                              save=save, save_dir=versions, offline=offline, offline_module=offline_module)
     with atomic_path(versions, is_dir=True) as tmp:
@@ -174,7 +178,8 @@ def moving(values: list[float], window: int) -> list[float]:
 def write_outputs(metrics: dict[str, Any], frozen: OnlineLog, online: OnlineLog, window: int, metrics_dir: Path,
                   plots: Path, name: str) -> None:
     # the headline: acceptance gained over the frozen draft, on the stream and on the held-out requests
-    write_record(metrics_dir / f"{name}.json", metrics, {f"{part}_gain": metrics[part]["gain"] for part in ("stream", "held_out")})
+    write_record(metrics_dir / f"{name}.json", metrics,
+                 {f"{part}_gain": metrics[part]["gain"] for part in ("stream", "held_out")})
     f_rates = [r.acceptance_rate for r in frozen.served]
     o_rates = [r.acceptance_rate for r in online.served]
     with atomic_path(plots, is_dir=True) as tmp:
@@ -205,4 +210,5 @@ def log_wandb(run: Any, frozen: OnlineLog, online: OnlineLog, window: int) -> No
     for u in online.updates:
         run.log({"online/update_request": u.request, "online/update_seconds": u.seconds, "online/update_loss": u.loss,
                  "online/update_deployed": int(u.deployed),
-                 **({} if u.gate_before is None else {"online/gate_before": u.gate_before, "online/gate_after": u.gate_after})})
+                 **({} if u.gate_before is None
+                    else {"online/gate_before": u.gate_before, "online/gate_after": u.gate_after})})

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from specdistill.config import section
 from specdistill.data.prompts import (
     PrepareConfig,
     PromptError,
@@ -19,7 +20,7 @@ from specdistill.data.prompts import (
 )
 from specdistill.io import save_dataset, write_json
 from specdistill.models.target import TargetConfig, context_length, load_target_config, load_tokenizer
-from specdistill.stages.common import check_outputs, section
+from specdistill.stages.common import check_outputs
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)

@@ -74,7 +74,8 @@ def machine(settings: dict[str, Any]) -> str:
     cpu = settings.get("cpu")
     if not cpu:  # written before the CPU kind was recorded, or a GPU run
         return str(settings.get("device"))
-    return f"{settings.get('device')} ({cpu.get('capability')}, bf16 {'native' if cpu.get('native_bf16') else 'emulated'})"
+    return (f"{settings.get('device')} ({cpu.get('capability')}, "
+            f"bf16 {'native' if cpu.get('native_bf16') else 'emulated'})")
 
 
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
@@ -93,7 +94,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              f"{s.get('prompts')} prompts per dataset ({order}), max_new_tokens "
              f"{s.get('max_new_tokens')}, K = {s.get('k')}, {s.get('chain_or_tree')}.", "",
              "Speed-up is tokens/s over our AR loop on the same prompts in the same process (methods interleaved);",
-             "at temperature 0 every method emits the target's greedy chain, but in bfloat16 a verification forward over",
+             "at temperature 0 every method emits the target's greedy chain, but in bfloat16 a verification "
+             "forward over",
              "several positions rounds differently from a one-token step, so where the top two logits tie to within",
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
              "float32 none happens); tokens/s, not wall time, is therefore the ratio.", "",
@@ -126,7 +128,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
               "Acceptance falls with position for a weak draft, so a single alpha overstates tau.", "",
               *formula_check(all_metrics), "",
               "## Eq. 4 against measurement: alpha = 1 - TV, and the Pinsker bound", "",
-              "Where the draft samples (temperature > 0), the decoder records sum min(p, q) and KL(p || q) at the first",
+              "Where the draft samples (temperature > 0), the decoder records sum min(p, q) and KL(p || q) at the "
+              "first",
               "draft position of every round. Their mean should match the measured acceptance there (up to sampling",
               "noise), and no position may fall below 1 - sqrt(KL/2). A prompt-lookup or greedy draft is deterministic",
               "and has no q, so it has no row here.", "",
@@ -137,7 +140,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    metrics_dir, out = Path(cfg["paths"].get("metrics_dir", "metrics")), Path(cfg["paths"].get("reports_dir", "reports"))
+    metrics_dir, out = (Path(cfg["paths"].get("metrics_dir", "metrics")),
+                        Path(cfg["paths"].get("reports_dir", "reports")))
     check_outputs(cfg, replaced={"paths.reports_dir": out})
     all_metrics = load_metrics(metrics_dir)
     runs, sweep = load_training(metrics_dir)
@@ -146,9 +150,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     online = load_online(metrics_dir, plots_dir)
     serve = load_serving(metrics_dir)
     experiment = cfg.get("experiment_name", "default")
-    with wandb_run(cfg.get("logger"), job_type="report", name=f"report@{experiment}", group=experiment, config=cfg) as run_:
+    with wandb_run(cfg.get("logger"), job_type="report", name=f"report@{experiment}", group=experiment,
+                   config=cfg) as run_:
         with atomic_path(out, is_dir=True) as tmp:
-            (tmp / "README.md").write_text(render(all_metrics, experiment, render_training(runs, sweep, curves, all_metrics),
+            (tmp / "README.md").write_text(render(all_metrics, experiment,
+                                                  render_training(runs, sweep, curves, all_metrics),
                                                   online_tables(online), serving_tables(serve), serve))
             if serve:
                 serving_figure(serve, tmp / "serve_speedup.png")

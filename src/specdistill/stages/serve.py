@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill import methods
-from specdistill.data.generation import stop_ids
+from specdistill.config import section
 from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine
 from specdistill.engine.serving import (
     AR_LAST,
@@ -35,10 +35,11 @@ from specdistill.engine.serving import (
 )
 from specdistill.evaluation.prompts import chat_encoder, load_conversations
 from specdistill.export.target import ExportError, exported_fingerprint
+from specdistill.hardware import environment
 from specdistill.io import atomic_path
-from specdistill.models.target import TargetConfig, load_target, load_tokenizer
+from specdistill.models.target import TargetConfig, load_target, load_tokenizer, stop_ids
 from specdistill.records import headline_of_serving, metrics_files, write_record
-from specdistill.stages.common import ConfigError, check_outputs, environment, section
+from specdistill.stages.common import ConfigError, check_outputs
 from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     paths = cfg.get("paths") or {}
     name = f"serve_{scfg.method}"
-    metrics_file, plots = Path(paths.get("metrics_dir", "metrics")) / f"{name}.json", Path(paths.get("plots_dir", "plots")) / name
+    metrics_file, plots = (Path(paths.get("metrics_dir", "metrics")) / f"{name}.json",
+                           Path(paths.get("plots_dir", "plots")) / name)
     check_outputs(cfg, replaced={"serve.method": plots},
                   files={"serve.method": metrics_files(metrics_file)})
     target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / scfg.method
@@ -62,15 +64,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     engine_python()  # no engine environment: a clear error now, not after the prompts load
     context = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
     if scfg.max_model_len is not None and scfg.max_model_len > context:
-        raise ConfigError(f"serve.max_model_len={scfg.max_model_len} exceeds the target's context ({context} positions): "
-                          f"lower it, or null for the target's own")
+        raise ConfigError(f"serve.max_model_len={scfg.max_model_len} exceeds the target's context "
+                          f"({context} positions): lower it, or null for the target's own")
     max_model_len = scfg.max_model_len or context
     tok = load_tokenizer(tcfg)
     encode = chat_encoder(tok)
     prompts = {ds: [encode([{"role": "user", "content": c.turns[0]}])
                     for c in load_conversations(Path(paths["prompts_dir"]), ds, scfg.num_prompts, scfg.split)]
                for ds in scfg.datasets}
-    if too_long := [(ds, len(p)) for ds, ps in prompts.items() for p in ps if len(p) + scfg.max_new_tokens > max_model_len]:
+    if too_long := [(ds, len(p)) for ds, ps in prompts.items() for p in ps
+                    if len(p) + scfg.max_new_tokens > max_model_len]:
         raise ConfigError(f"{len(too_long)} prompt(s) + serve.max_new_tokens={scfg.max_new_tokens} exceed the engine's "
                           f"context {max_model_len} (e.g. {too_long[0]}): lower serve.max_new_tokens or num_prompts")
     stops = sorted(stop_ids(None, tok))
@@ -103,7 +106,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                          "speedup_geomean": scheduled_speedups(scfg, summary["results"]) if deploy else {}}
     agreement = ours_beside_engine(scfg, tcfg, prompts, results) if 0.0 in map(float, scfg.temperatures) else {}
     first = next(iter(results.values()))
-    metrics = {"settings": {**environment(), **asdict(scfg), "k_skipped": skipped, "engine": "vllm", "vllm": first["vllm"], "engine_torch": first["torch"],
+    metrics = {"settings": {**environment(), **asdict(scfg), "k_skipped": skipped, "engine": "vllm",
+                            "vllm": first["vllm"], "engine_torch": first["torch"],
                             "engine_dtype": dtype, "target_fingerprint": exported_fingerprint(target_dir),
                             "prompts": {ds: len(p) for ds, p in prompts.items()}},
                "cold_start_s": {s: round(r["cold_start_s"], 1) for s, r in results.items()},
@@ -144,7 +148,7 @@ def ours_beside_engine(scfg: ServeConfig, tcfg: TargetConfig, prompts: dict[str,
     from specdistill.decoding.verifier import TargetVerifier
     k = scfg.agreement_k
     target = load_target(tcfg)
-    stops = stop_ids(target.model, target.tokenizer)
+    stops = target.stop_ids
     proposer = methods.get(scfg.method, "serve", "serve.method").ours(scfg, target, k)  # the same chain as the engine's
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
     out: dict[str, Any] = {}
@@ -186,8 +190,8 @@ def write_plots(folder: Path, summary: dict[str, Any], agreement: dict[str, Any]
                     for c, cell in cells.items():
                         for setting, row in cell.items():
                             if setting != "ar":
-                                w.writerow([ds, t[1:], c[1:], setting.removeprefix("k"), row["tokens_per_s"], row["speedup"],
-                                            row.get("tau")])
+                                w.writerow([ds, t[1:], c[1:], setting.removeprefix("k"), row["tokens_per_s"],
+                                            row["speedup"], row.get("tau")])
         with open(tmp / "agreement.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["dataset", "position", "engine", "ours"])

@@ -5,7 +5,7 @@ Writes `models/<M>/` (the draft: a plain HF folder, + d2t for a reduced vocabula
 `plots/train_<M>/val.csv` (val/alpha against step: the acceptance curve). Checkpoints go to
 `checkpoints/<M>/` under a fingerprint of everything that shapes the run, so a killed stage resumes
 from `last.ckpt` and a changed config starts afresh. In a Hydra multirun (`-m draft=xs,s loss=fkl,tvd`)
-each job writes into its own output folder and its metrics to `metrics/sweep/`, where the report
+each job writes into its own output folder and its metrics to `<paths.metrics_dir>/sweep/`, where the report
 stage reads the sweep table from.
 
 Read top to bottom: `run` (check, load, build, fit, write), then the checks it makes before the target
@@ -24,14 +24,14 @@ from typing import Any, ClassVar
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from specdistill import methods
+from specdistill.config import section
 from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
 from specdistill.data.features import check_store
-from specdistill.data.generation import stop_ids
+from specdistill.hardware import environment
 from specdistill.io import config_hash
-from specdistill.models.draft_lm import DraftSize
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.records import headline_of_training, metrics_files, write_record
-from specdistill.stages.common import ConfigError, check_outputs, environment, section
+from specdistill.stages.common import ConfigError, check_outputs
 from specdistill.tracking import lightning_logger, log_folder
 from specdistill.training.base import build_optimizer
 from specdistill.training.checkpoints import CheckpointDir, readable_checkpoint, resume_point  # noqa: F401
@@ -81,7 +81,7 @@ def run(cfg: dict[str, Any], job: Job | None = None) -> dict[str, Any]:
     # what the process drew before (Medusa's residual biases drew from it; EAGLE's and the draft's
     # builders reseed anyway, so their runs are unchanged)
     pl.seed_everything(int(cfg.get("seed", 0)), workers=True, verbose=False)
-    stops, pad_id = stop_ids(target.model, target.tokenizer), target.tokenizer.pad_token_id or 0
+    stops, pad_id = target.stop_ids, target.pad_id
     common = dict(loss=c.loss, optimizer=c.optimizer, scheduler=c.scheduler, teacher=c.distill.teacher,
                   tau_k=c.distill.tau_k, max_k=c.distill.max_k)
     built = c.method.build(c.mcfg, c.size, c.data, cfg, target, datamodule, stops, pad_id, common)
@@ -117,7 +117,7 @@ class Checked:
     key: str
     method: Any
     mcfg: Any
-    size: DraftSize | None
+    size: Any  # the method's draft size (its `draft_size` dataclass), or None
     lcfg: LossConfig
     distill: DistillConfig
     data: DataConfig
@@ -152,10 +152,11 @@ def check(cfg: dict[str, Any], job: Job | None) -> Checked:
                                  **({"paths.plots_dir": plan.plots_dir} if plan.plots_dir else {})},
                   fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir},
                   files={"paths.metrics_dir": metrics_files(plan.metrics_file)})
-    return Checked(cfg, key, method, mcfg, size, lcfg, dist, dcfg, tcfg, loss, optimizer, scheduler, trainer_kwargs, plan)
+    return Checked(cfg, key, method, mcfg, size, lcfg, dist, dcfg, tcfg, loss, optimizer, scheduler, trainer_kwargs,
+                   plan)
 
 
-def method_sections(cfg: dict[str, Any], key: str) -> tuple[Any, Any, DraftSize | None, LossConfig, dict[str, Any]]:
+def method_sections(cfg: dict[str, Any], key: str) -> tuple[Any, Any, Any, LossConfig, dict[str, Any]]:
     """`methods.<key>` checked: the registered method (its `name`), its own config, its draft size (methods that
     size one), its loss, and the distill section it trains with (its optimizer, its data keys, its teacher)."""
     if key not in (cfg.get("methods") or {}):
@@ -172,10 +173,10 @@ def method_sections(cfg: dict[str, Any], key: str) -> tuple[Any, Any, DraftSize 
     mcfg = section(method.config, own, f"methods.{key}")
     if method.check is not None:
         method.check(mcfg)
-    if method.uses_draft_size != ("draft" in shared):
-        raise ConfigError(f"methods.{key}.draft: " + (f"{name} sizes its draft there (conf/draft/)" if method.uses_draft_size
+    if (method.draft_size is not None) != ("draft" in shared):
+        raise ConfigError(f"methods.{key}.draft: " + (f"{name} sizes its draft there (conf/draft/)" if method.draft_size
                                                       else f"{name} takes no draft size; remove it"))
-    size = section(DraftSize, dict(shared["draft"]), f"methods.{key}.draft") if method.uses_draft_size else None
+    size = section(method.draft_size, dict(shared["draft"]), f"methods.{key}.draft") if method.draft_size else None
     lcfg = section(LossConfig, dict(shared["loss"]), f"methods.{key}.loss")
     distill = {**cfg["distill"], "optimizer": shared["optimizer"],
                "data": {**cfg["distill"]["data"], **(shared.get("data") or {})}}
@@ -187,8 +188,9 @@ def method_sections(cfg: dict[str, Any], key: str) -> tuple[Any, Any, DraftSize 
 def check_teacher(key: str, method: Any, dist: DistillConfig, dcfg: DataConfig, lcfg: LossConfig, loss: Any) -> None:
     """The teacher, the data source and the loss must fit together and the method."""
     if method.reads_hidden and (dist.teacher == "stored" or dcfg.source not in ("target", "dataset")):
-        raise ConfigError(f"method={key} reads the frozen target's hidden states on fixed data: it needs distill.teacher=live "
-                          f"or precomputed (got {dist.teacher}) and distill.data.source=target or dataset (got {dcfg.source})")
+        raise ConfigError(f"method={key} reads the frozen target's hidden states on fixed data: "
+                          f"it needs distill.teacher=live or precomputed (got {dist.teacher}) "
+                          f"and distill.data.source=target or dataset (got {dcfg.source})")
     if dist.teacher == "precomputed" and (not method.precomputed or dcfg.source != "target"):
         raise ConfigError(f"distill.teacher=precomputed reads the features stage's store, made for EAGLE heads "
                           f"(method={'/'.join(n for n in methods.names('train') if methods.REGISTRY[n].precomputed)}) "
@@ -198,8 +200,9 @@ def check_teacher(key: str, method: Any, dist: DistillConfig, dcfg: DataConfig, 
         raise ConfigError(f"distill.data.source={dcfg.source} trains on the draft's own samples, which have no stored "
                           "top-k: use distill.teacher=live")
     if dist.teacher in ("stored", "precomputed") and loss.needs_full_teacher:
-        raise ConfigError(f"methods.{key}.loss={lcfg.name} needs the target's full distribution; distill.teacher={dist.teacher} "
-                          f"keeps only its top-k: use distill.teacher=live or loss fkl / topk_kl")
+        raise ConfigError(f"methods.{key}.loss={lcfg.name} needs the target's full distribution; "
+                          f"distill.teacher={dist.teacher} keeps only its top-k: "
+                          f"use distill.teacher=live or loss fkl / topk_kl")
 
 
 def data_for(c: Checked, target: Any) -> tuple[DistillDataModule, str]:
@@ -216,7 +219,7 @@ def data_for(c: Checked, target: Any) -> tuple[DistillDataModule, str]:
         except DataError as e:
             raise ConfigError(str(e)) from e
         data_stamp = f"{data_stamp}+features:{store['fingerprint']}"  # a new store (other k, dtype) starts afresh
-    pad_id = target.tokenizer.pad_token_id or 0
+    pad_id = target.pad_id
     datamodule = DistillDataModule(c.data, generated, c.cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer,
                                    pad_id=pad_id, features_dir=features_dir)
     datamodule.setup("fit")
@@ -305,6 +308,7 @@ def plan_outputs(cfg: dict[str, Any], method: str, draft: str, loss: str, output
         name = job.name(method)
         return Plan(job.dir / "model", job.dir / "checkpoints",
                     Path(paths.get("metrics_dir", "metrics")) / "sweep" / f"{name}.json", None, name)
-    return Plan(Path(paths.get("models_dir", "models")) / method, Path(paths.get("checkpoints_dir", "checkpoints")) / method,
+    return Plan(Path(paths.get("models_dir", "models")) / method,
+                Path(paths.get("checkpoints_dir", "checkpoints")) / method,
                 Path(paths.get("metrics_dir", "metrics")) / f"train_{method}.json",
                 Path(paths.get("plots_dir", "plots")) / f"train_{method}", name)

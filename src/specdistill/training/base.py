@@ -282,7 +282,8 @@ def features_and_teacher(module: DistillModule, batch: dict[str, torch.Tensor], 
     def live() -> tuple[torch.Tensor, Teacher]:
         target = module.target
         with HiddenTap(target, list(layers)) as tap:
-            hidden = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            hidden = target.get_decoder()(input_ids=batch["input_ids"],
+                                          attention_mask=batch["attention_mask"]).last_hidden_state
         return tap.concat(), Teacher(logits=target.get_output_embeddings()(hidden[mask]).float())
 
     return module.target_pass_once(live)

@@ -47,7 +47,7 @@ class DFlashMethodConfig(MethodConfigBase):
     STEP_WEIGHTS = ("decay", "dpace")
 
     def layers(self, num_layers: int) -> list[int]:
-        from specdistill.models.eagle import default_feature_layers
+        from specdistill.models.hidden import default_feature_layers
 
         return list(self.feature_layers or default_feature_layers("eagle3", num_layers))
 
@@ -83,7 +83,8 @@ def block_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, anchors:
     ids = torch.full((b, n, size), MASK, dtype=torch.long, device=input_ids.device)
     ids[:, :, 0] = input_ids.gather(1, anchors)
     positions = anchors[:, :, None] + torch.arange(size, device=anchors.device)
-    context = (torch.arange(t, device=anchors.device)[None, None] < anchors[:, :, None]) & attention_mask.bool()[:, None]
+    context = ((torch.arange(t, device=anchors.device)[None, None] < anchors[:, :, None])
+               & attention_mask.bool()[:, None])
     context = context & real[:, :, None]  # a padding block sees only itself
     own = torch.eye(n, dtype=torch.bool, device=anchors.device).repeat_interleave(size, 0).repeat_interleave(size, 1)
     mask = torch.cat([context.repeat_interleave(size, 1), own[None].expand(b, -1, -1)], dim=-1)
@@ -107,7 +108,8 @@ class DFlashModule(DistillModule):
                  val_chunk: int = 64, seed: int = 0, **kwargs: Any):
         super().__init__(target_model, **kwargs)
         self.drafter = drafter
-        self.stored = None if stored_layers is None else [list(stored_layers).index(x) for x in drafter.cfg.feature_layers]
+        self.stored = (None if stored_layers is None
+                       else [list(stored_layers).index(x) for x in drafter.cfg.feature_layers])
         self.size, self.anchors, self.gamma = drafter.cfg.block_size, anchors, gamma
         self.step_weights, self.dpace_alpha, self.val_chunk = step_weights, dpace_alpha, val_chunk
         self.generator = torch.Generator().manual_seed(seed)
@@ -156,7 +158,8 @@ class DFlashModule(DistillModule):
         total, norm = torch.zeros((), device=self.device), 0.0
         for s, w in zip(slots, weights, strict=True):
             per_row = w if isinstance(w, torch.Tensor) else None
-            loss, n = self._loss(s.student, Teacher() if self.loss.name == "ce" else s.teacher, s.labels, weights=per_row)
+            loss, n = self._loss(s.student, Teacher() if self.loss.name == "ce" else s.teacher, s.labels,
+                                 weights=per_row)
             scale = 1.0 if per_row is not None else w  # D-PACE weighs the slots itself
             total, norm = total + scale * loss, norm + scale
             self.log(f"train/loss_slot{s.index}", loss, batch_size=max(n, 1))

@@ -29,7 +29,8 @@ import torch
 from torchmetrics import MeanMetric
 from transformers import DynamicCache
 
-from specdistill.models.eagle import EagleHead, default_feature_layers, unit_rms
+from specdistill.models.eagle import EagleHead, unit_rms
+from specdistill.models.hidden import default_feature_layers
 from specdistill.training.base import DistillModule, MethodConfigBase, features_and_teacher
 from specdistill.training.losses import Teacher, dpace_weights
 from specdistill.training.metrics import UnrolledAcceptance, token_acceptance
@@ -77,7 +78,8 @@ def ttt_mask(attention_mask: torch.Tensor, step: int, dtype: torch.dtype) -> tor
     b, t = attention_mask.shape
     idx = torch.arange(t, device=attention_mask.device)
     causal = idx[None, :] <= idx[:, None]
-    block0 = causal[None] & (attention_mask.bool()[:, None, :] | torch.eye(t, dtype=torch.bool, device=idx.device)[None])
+    block0 = causal[None] & (attention_mask.bool()[:, None, :]
+                             | torch.eye(t, dtype=torch.bool, device=idx.device)[None])
     blocks = [block0] + [torch.eye(t, dtype=torch.bool, device=idx.device)[None].expand(b, t, t)] * step
     visible = torch.cat(blocks, dim=-1)
     mask = torch.zeros(visible.shape, dtype=dtype, device=idx.device).masked_fill_(~visible, torch.finfo(dtype).min)
@@ -91,7 +93,8 @@ def unroll(head: EagleHead, features: torch.Tensor, input_ids: torch.Tensor, att
     b, t = input_ids.shape
     hidden = head.features_in(features)
     if noise > 0:
-        hidden = hidden + (torch.rand(hidden.shape, generator=generator, device=hidden.device) * 2 - 1).to(hidden.dtype) * noise
+        hidden = hidden + (torch.rand(hidden.shape, generator=generator,
+                                      device=hidden.device) * 2 - 1).to(hidden.dtype) * noise
     cache = DynamicCache()
     positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
     outs = []

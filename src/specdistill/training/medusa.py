@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from specdistill.decoding.medusa import expected_accepted, grow_tree
 from specdistill.models.medusa import MedusaHeads
+from specdistill.models.medusa_tree import expected_accepted, grow_tree
 from specdistill.training.base import DistillModule, MethodConfigBase
 from specdistill.training.losses import Teacher
 from specdistill.training.metrics import HeadAccuracy
@@ -72,7 +72,8 @@ class MedusaModule(DistillModule):
             return hidden, self.target.get_output_embeddings()(hidden[mask]).float()
         return self.target_pass_once(run)
 
-    def head_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def head_batches(self,
+                     batch: dict[str, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(k, h_t [n, H], the target's logits at t + k [n, V], x_{t+k+1} [n]) for every head k."""
         mask = batch["loss_mask"]
         hidden, teacher = self._target_pass(batch, mask)

@@ -117,7 +117,8 @@ class HeadAccuracy(Metric):
         best = head_logits.gather(-1, teacher_logits.argmax(-1, keepdim=True))  # the head's score of the target's token
         rank = (head_logits > best).sum(-1)
         rank = torch.where(torch.isfinite(best[:, 0]), rank, torch.full_like(rank, self.max_rank))
-        self.rank_hits[k - 1] += torch.bincount(rank.clamp(max=self.max_rank), minlength=self.max_rank + 1)[:-1].double()
+        self.rank_hits[k - 1] += torch.bincount(rank.clamp(max=self.max_rank),
+                                                minlength=self.max_rank + 1)[:-1].double()
         self.alpha[k - 1] += alpha.double().sum()
         self.count[k - 1] += len(alpha)
 
