@@ -45,6 +45,7 @@ EAGLE = {"train@eagle", "evaluate@eagle", "evaluate@eagle_lookup", "evaluate@eag
     ("methods.draft.loss.name", {"train@draft", "evaluate@draft"}),
     ("methods.eagle.optimizer.lr", EAGLE),
     ("methods.eagle31.fc_norm", {"train@eagle31", "evaluate@eagle31"}),
+    ("methods.suffix.max_spec_tokens", {"evaluate@suffix"}),  # a method that trains nothing
     ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
     ("evals.untrained.k", {"evaluate@untrained"}),
 ])

@@ -27,6 +27,7 @@ from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.union import UnionProposer
 from specdistill.decoding.verify import verify_sampling
+from specdistill.methods.suffix import SuffixConfig, SuffixIndex, SuffixProposer
 from specdistill.models.medusa import MedusaConfig, MedusaHeads
 
 from .helpers.decoding import BigramProposer, FeatureBigramVerifier, V, exact_marginals, tables
@@ -58,6 +59,9 @@ PROPOSERS = {  # every drafting shape the decoder verifies
     "union": lambda draft: UnionProposer(
         EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3), capacity=64),
         PromptLookupProposer(k=3, branches=2)),
+    # deterministic frequency trees from an index of earlier answers (and the context's own repeats)
+    "suffix": lambda draft: SuffixProposer(SuffixConfig(max_spec_tokens=4, max_tree_depth=6), SuffixIndex(
+        torch.randint(0, V, (12, 24), generator=torch.Generator().manual_seed(0)).tolist(), 6)),
 }
 SAMPLINGS = {"T1": SamplingConfig(1.0), "T0.7-p0.9": SamplingConfig(0.7, top_p=0.9)}
 

@@ -31,7 +31,7 @@ def test_no_stage_names_a_method_or_imports_its_module(path):
 
 def test_capabilities_and_errors_name_the_choices():
     assert set(methods.names("train")) == {"draft", "medusa", "eagle", "eagle1", "dflash"}
-    assert set(methods.names("evaluate")) == {"draft", "medusa", "eagle", "dflash", "lookup"}
+    assert set(methods.names("evaluate")) == {"draft", "medusa", "eagle", "dflash", "lookup", "suffix"}
     assert set(methods.names("serve")) == {"draft", "medusa", "eagle", "dflash", "ngram"}
     with pytest.raises(ConfigError, match=r"eval\.method='ngram': use one of .*\(ngram has no evaluate part\)"):
         methods.get("ngram", "evaluate", "eval.method")

@@ -9,18 +9,18 @@ method may declare (each optional; a stage refuses a method without its part, li
   states, which needs the target's own states on fixed data) and `precomputed` (it can read the features
   stage's store);
 - evaluate: `draft`, the proposer our decoder verifies, with what the metrics say about it (a method that trains
-  nothing keeps its settings in `methods.<m>`, as its `config`);
+  nothing, like suffix decoding, keeps its settings in `methods.<m>`, as its `config`);
 - online: `online`, the student that keeps learning while it serves, and its serving copy;
 - export and serve: `export` (an engine-ready folder) and `engine` (vLLM's `speculative_config`), with
   `ours` (our decoder's proposer on the same chain, for the agreement table).
 
 The built-in methods are registered on import: draft (a separate small LM), medusa, eagle and eagle1, dflash, lookup
-(prompt lookup, ours) and ngram (the engine's prompt lookup).
+(prompt lookup, ours), ngram (the engine's prompt lookup) and suffix (suffix decoding).
 """
 
 from __future__ import annotations
 
-from specdistill.methods import dflash, draft, eagle, lookup, medusa  # noqa: F401 (registers the built-ins)
+from specdistill.methods import dflash, draft, eagle, lookup, medusa, suffix  # noqa: F401 (registers the built-ins)
 from specdistill.methods.registry import (  # noqa: F401 (the registry's interface, re-exported)
     CAPABILITIES,
     REGISTRY,
