@@ -203,11 +203,22 @@ def test_environment_names_the_cpu_and_its_kind(monkeypatch):
     from specdistill import hardware
 
     real_read = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "processor\t: 0\nmodel name\t: Test CPU 9000\n"
-                        if str(self) == "/proc/cpuinfo" else real_read(self, *a, **k))
+    flags = {"flags": "fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile"}
+
+    def cpuinfo(self, *a, **k):
+        if str(self) != "/proc/cpuinfo":
+            return real_read(self, *a, **k)
+        return f"processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: {flags['flags']}\n"
+
+    monkeypatch.setattr(Path, "read_text", cpuinfo)
     monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: False)
     env = hardware.environment()
-    assert env["device"] == "Test CPU 9000" and set(env["cpu"]) == {"capability", "native_bf16"}
+    assert env["device"] == "Test CPU 9000" and set(env["cpu"]) == {"capability", "native_bf16", "matrix_units"}
+    assert env["cpu"]["matrix_units"] == "AMX"  # torch's capability calls AMX and AVX512-BF16 both "AVX512"
+    flags["flags"] = "fpu avx2 avx512f avx512_bf16"
+    assert hardware.matrix_units() == "AVX512-BF16"
+    flags["flags"] = "fpu avx2"
+    assert hardware.matrix_units() is None
 
 
 def test_the_summary_keeps_the_best_setting_of_each_method_and_the_engines_deployed_speedup(tmp_path, monkeypatch):

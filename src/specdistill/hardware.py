@@ -31,6 +31,25 @@ def cpu_has_native_bf16() -> bool:
         return True
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux: /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def matrix_units() -> str | None:
+    """What runs a bf16 matmul: "AMX" (tile units: a multi-token forward costs about one step), "AVX512-BF16"
+    (native bf16 dot products, no tiles), or None (emulated or unknown). torch's capability says "AVX512" for
+    the first two alike, and the three kinds this project has run on differ most in exactly this."""
+    flags = cpu_flags()
+    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
+
+
 def environment() -> dict[str, Any]:
     """What a measurement ran on. On a CPU the kind matters as much as the versions: without bf16 kernels
     (AVX2) a draft tree's verification costs several times more plain steps than with AMX, so a speed-up
@@ -43,5 +62,6 @@ def environment() -> dict[str, Any]:
                            "device": torch.cuda.get_device_name(0) if cuda else cpu_name(),
                            "threads": torch.get_num_threads()}
     if not cuda:
-        env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16()}
+        env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16(),
+                      "matrix_units": matrix_units()}
     return env

@@ -74,7 +74,8 @@ def machine(settings: dict[str, Any]) -> str:
     cpu = settings.get("cpu")
     if not cpu:  # written before the CPU kind was recorded, or a GPU run
         return str(settings.get("device"))
-    return (f"{settings.get('device')} ({cpu.get('capability')}, "
+    units = f", {cpu['matrix_units']}" if cpu.get("matrix_units") else ""
+    return (f"{settings.get('device')} ({cpu.get('capability')}{units}, "
             f"bf16 {'native' if cpu.get('native_bf16') else 'emulated'})")
 
 
