@@ -78,3 +78,18 @@ def test_every_item_names_a_config_section():
             assert stage.split("@")[1] in cfg["methods"], stage
         if stage.startswith("evaluate@"):
             assert stage.split("@")[1] in cfg["evals"], stage
+
+
+def test_every_metrics_and_plots_output_is_under_its_experiment():
+    """Experiments never overwrite each other: each stage's metrics and plots outputs (and the report's reads) live
+    under metrics/${experiment_name}/ and plots/${experiment_name}/, as paths.metrics_dir / plots_dir say."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    paths = []
+    for spec in stages.values():
+        body = spec.get("do", spec)
+        for key in ("outs", "metrics", "plots", "deps"):
+            paths += [p if isinstance(p, str) else next(iter(p)) for p in body.get(key, [])]
+    shared = [p for p in paths
+              if p.split("/")[0] in ("metrics", "plots") and p.split("/")[1:2] != ["${experiment_name}"]]
+    assert not shared, shared
+    assert sum(p.startswith("metrics/${experiment_name}") for p in paths) > 10
