@@ -43,9 +43,9 @@ def cpu_flags() -> set[str]:
 
 
 def matrix_units() -> str | None:
-    """What runs a bf16 matmul: "AMX" (tile units: a multi-token forward costs about one step), "AVX512-BF16"
-    (native bf16 dot products, no tiles), or None (emulated or unknown). torch's capability says "AVX512" for
-    the first two alike, and the three kinds this project has run on differ most in exactly this."""
+    """What runs a bf16 matmul: "AMX" (tile units), "AVX512-BF16" (native bf16 dot products, no tiles), or None
+    (emulated or unknown). torch's capability says "AVX512" for the first two alike; what each costs a draft
+    tree's verification is benchmarks/verify_cost.py's to measure on the machine at hand."""
     flags = cpu_flags()
     return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
 

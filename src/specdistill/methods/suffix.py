@@ -61,25 +61,24 @@ class SuffixIndex:
         toks = self.tokens
         self.order = sorted((i for i in range(len(toks)) if toks[i] != END), key=lambda i: toks[i:i + width])
 
-    def occurrences(self, pattern: list[int]) -> list[int]:
-        """Start positions of `pattern` (at most `width` tokens), in suffix order."""
+    def occurrences(self, pattern: list[int]) -> range:
+        """The range of `order` holding the start positions of `pattern` (at most `width` tokens)."""
         n, toks = len(pattern), self.tokens
         lo = bisect.bisect_left(self.order, pattern, key=lambda i: toks[i:i + n])
-        hi = bisect.bisect_right(self.order, pattern, key=lambda i: toks[i:i + n], lo=lo)
-        return self.order[lo:hi]
+        return range(lo, bisect.bisect_right(self.order, pattern, key=lambda i: toks[i:i + n], lo=lo))
 
     def longest_match(self, context: list[int], longest: int) -> tuple[int, list[int]]:
         """(p, positions right after each occurrence) for the longest suffix of `context` of at most `longest`
         tokens that occurs here; a suffix that occurs has every shorter one occurring, so p is found by bisection."""
-        lo, hi, found = 0, min(longest, len(context), self.width), []
-        while lo < hi:
+        lo, hi, found = 0, min(longest, len(context), self.width), range(0)
+        while lo < hi:  # each step only bisects; the positions are listed once, for the length found
             mid = (lo + hi + 1) // 2
             starts = self.occurrences(context[-mid:])
             if starts:
-                lo, found = mid, [s + mid for s in starts]
+                lo, found = mid, starts
             else:
                 hi = mid - 1
-        return lo, found
+        return lo, [self.order[k] + lo for k in found]
 
 
 def context_match(context: list[int], longest: int) -> tuple[int, list[int]]:
