@@ -9,9 +9,9 @@ and prints tau, speed-up (jackknife-t 95% interval) and the draft / verify secon
 A variant is `eagle`, `medusa`, `lookup`, `u:<nodes>:<lookup_k>:<min_ngram>[:<depth>:<top_k>]`: the union of a
 dynamic EAGLE tree of <nodes> nodes (depth / top_k by default 3 / 2 up to 6 nodes, 3 / 3 up to 8, 4 / 4 above) \
 and a lookup chain, or
-`m:<lookup_k>:<min_ngram>`: Medusa's saved tree of eval.medusa_budget nodes and a lookup chain (is the branch
+`m:<lookup_k>:<min_ngram>`: Medusa's saved tree of decode.medusa.budget nodes and a lookup chain (is the branch
 EAGLE's edge, or does every deterministic tree gain as much?). A `+b<N>` suffix on `lookup`, `u:` or `m:` makes
-the lookup draft a tree of N sibling chains (`eval.lookup_branches`), e.g. `lookup+b2`, `u:8:8:1+b2`. \
+the lookup draft a tree of N sibling chains (`decode.lookup.branches`), e.g. `lookup+b2`, `u:8:8:1+b2`. \
 It runs on the dev prompts by default (`eval.split`):
 choose settings there, then report them on the test prompts with the evaluate stage. \
 Needs `dvc repro prepare train@eagle` (and
@@ -89,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     kinds = {v: parse(v) for v in args.variants}
     params = yaml.safe_load(Path(args.params).read_text())
-    ev = params["eval"]
+    ev, dec = params["eval"], params["decode"]
     # the prompts before the target, so an overlapping dev set fails at once; dev must stay clear of the
     # eval.num_prompts test prompts the evaluate stage reports, whatever --prompts is
     n = args.prompts or ev["num_prompts"]
@@ -105,21 +105,20 @@ def main() -> None:
     if used & {"medusa", "m"}:
         heads = load_medusa(args.medusa, dtype=model.dtype, target_fingerprint=target.fingerprint,
                             target=model).to(target.device)
-        choices = medusa_choices(SimpleNamespace(medusa_choices=None, medusa_path=args.medusa,
-                                                        medusa_budget=ev["medusa_budget"]))
+        choices = medusa_choices(SimpleNamespace(choices=None, path=args.medusa, budget=dec["medusa"]["budget"]))
 
     def variant(name: str):
         kind, numbers, branches = kinds[name]
 
         def lookup(k: int, lo: int) -> PromptLookupProposer:
-            return PromptLookupProposer(k, max(ev["lookup_max_ngram"], lo), lo, branches)
+            return PromptLookupProposer(k, max(dec["lookup"]["max_ngram"], lo), lo, branches)
 
         if kind == "eagle":
-            return EagleProposer(head, EagleTreeConfig(**ev["eagle_tree"]))
+            return EagleProposer(head, EagleTreeConfig(**dec["eagle"]["tree"]))
         if kind == "medusa":
             return MedusaProposer(heads, choices)
         if kind == "lookup":
-            return lookup(ev["lookup_k"], ev["lookup_min_ngram"])
+            return lookup(dec["lookup"]["k"], dec["lookup"]["min_ngram"])
         if kind == "u":
             nodes, k, lo, *shape = numbers
             return UnionProposer(EagleProposer(head, tree(nodes, *shape)), lookup(k, lo))

@@ -6,8 +6,8 @@
 At T=0 a draft is kept up to its first token that differs from the target's greedy continuation, so running AR
 once and replaying a proposer over its answers gives that proposer's tau exactly (up to the bfloat16 ties where a
 verification forward rounds differently from a one-token step: `benchmarks/greedy_ties.py`), for any number of
-settings, in seconds. A variant is `<lookup_k>:<branches>` (`eval.lookup_k`, `eval.lookup_branches`; n-grams from
-the params' `eval.lookup_min_ngram`..`lookup_max_ngram`). It prints tau and the drafted nodes per round, the
+settings, in seconds. A variant is `<lookup_k>:<branches>` (`decode.lookup.k`, `decode.lookup.branches`; n-grams from
+the params' `decode.lookup.min_ngram`..`max_ngram`). It prints tau and the drafted nodes per round, the
 verification's size, per set. What it cannot say is the speed-up: more nodes cost more verification, which
 `benchmarks/lookup_branch.py` measures. The AR answers of MT-bench's second turns continue AR's own first answers,
 as in the evaluate stage; `--answers` keeps them (JSON) so another replay skips the target.
@@ -106,7 +106,8 @@ def main() -> None:
             answers.write_text(json.dumps(turns))
     for dataset in sorted({t["dataset"] for t in turns}):
         for k, branches in variants.values():
-            proposer = PromptLookupProposer(k, ev["lookup_max_ngram"], ev["lookup_min_ngram"], branches)
+            lookup = params["decode"]["lookup"]
+            proposer = PromptLookupProposer(k, lookup["max_ngram"], lookup["min_ngram"], branches)
             tokens = forwards = nodes = 0
             for turn in (t for t in turns if t["dataset"] == dataset):
                 a, f, n = replay(turn, proposer, ev["max_new_tokens"])

@@ -76,7 +76,8 @@ def test_the_evaluate_stage_chooses_the_depth_it_predicts_best_on_dev_prompts(tm
     monkeypatch.chdir(tmp_path)
     cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
-           "eval": {"method": "draft", "draft_path": None, "draft_layers": 1, "k": 3, "datasets": ["mtbench"],
+           "decode": {"draft": {"path": None, "layers": 1}},
+           "eval": {"method": "draft", "k": 3, "datasets": ["mtbench"],
                     "num_prompts": 2, "max_new_tokens": 8, "temperatures": [0.0, 1.0], "hf_baselines": False,
                     "depth": "auto"}}
     metrics = evaluate_stage.run(cfg)

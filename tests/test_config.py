@@ -38,9 +38,6 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     from specdistill.training.losses import build_loss
 
     for key in cfg["methods"]:
-        if methods.REGISTRY[cfg["methods"][key]["name"]].build is None:  # trains nothing: its settings, checked
-            assert methods.own_settings(cfg, key) is not None
-            continue
         method, _, _, loss, distill = method_sections(cfg, key)
         assert method.name in methods.names("train")
         build_loss(loss.name, loss.temperature, **(loss.params or {}))
@@ -51,7 +48,13 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     section(OnlineConfig, cfg["online"], "online")
     from specdistill.stages.evaluate import EvalConfig
 
-    section(EvalConfig, cfg["eval"], "eval")  # the EAGLE tree too
+    section(EvalConfig, cfg["eval"], "eval")
+    # every method that drafts has its decode section composed (conf/decode/<m>.yaml), checked, the EAGLE tree too
+    assert set(cfg["decode"]) == {n for n, m in methods.REGISTRY.items() if m.decode}
+    for name in cfg["decode"]:
+        methods.decode_settings(cfg, name)
+    for key, item in cfg["evals"].items():  # and each evaluate item's keys over its method's
+        methods.decode_settings(cfg, item["method"], item.get("decode")), key
     assert cfg["trainer"]["max_steps"] > 0 and cfg["method"] in cfg["methods"]
 
 

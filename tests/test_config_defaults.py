@@ -36,15 +36,14 @@ def sections() -> list[tuple[str, type, dict[str, Any]]]:
            # the model's own names (which file, which commit) are the target file's, never a dataclass's
            ("target", TargetConfig, {k: v for k, v in cfg["target"].items() if k not in ("name_or_path", "gguf_file")}),
            ("online", OnlineConfig, cfg["online"]),
-           ("eval", EvalConfig, cfg["eval"]), ("eval.eagle_tree", EagleTreeConfig, cfg["eval"]["eagle_tree"]),
+           ("eval", EvalConfig, cfg["eval"]), ("decode.eagle.tree", EagleTreeConfig, cfg["decode"]["eagle"]["tree"]),
            ("export", ExportConfig, cfg["export"])]
+    out += [(f"decode.{name}", m.decode, cfg["decode"][name]) for name, m in methods.REGISTRY.items() if m.decode]
     for key, m in cfg["methods"].items():
         method = methods.REGISTRY[m["name"]]
         if key != m["name"] or _default({f.name: f for f in dataclasses.fields(method.config)}["name"]) != key:
             continue  # a variant (draft_ce, eagle31; eagle1 of EAGLE-3's class) differs from its base by design
         out.append((f"methods.{key}", method.config, m))
-        if "loss" not in m:  # a method that trains nothing (suffix decoding) has no loss
-            continue
         out.append((f"methods.{key}.loss", LossConfig, m["loss"]))
         if "draft" in m:
             out.append((f"methods.{key}.draft", DraftSize, m["draft"]))

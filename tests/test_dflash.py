@@ -154,7 +154,8 @@ def test_evaluate_stage_runs_dflash(tmp_path, tiny_target_dir, monkeypatch):
     cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
            "eval": {"method": "dflash", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
-                    "temperatures": [0.0, 1.0], "dflash_path": str(tmp_path / "models/dflash"), "hf_baselines": False}}
+                    "temperatures": [0.0, 1.0], "hf_baselines": False},
+           "decode": {"dflash": {"path": str(tmp_path / "models/dflash")}}}
     metrics = evaluate_stage.run(cfg)
     assert {"ar", "spec"} <= set(metrics["results"]["mtbench"]["T0"])
     assert metrics["settings"]["block_size"] == 5 and metrics["settings"]["dflash_k"] == 4

@@ -35,17 +35,21 @@ def rerun_by(changed: str) -> set[str]:
     return {s for s, ps in stage_params().items() if not s.startswith("_cmd:") and any(hit(p) for p in ps)}
 
 
-EAGLE = {"train@eagle", "evaluate@eagle", "evaluate@eagle_lookup", "evaluate@eagle_auto"}
+EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluate@eagle_lookup", "evaluate@eagle_auto"}
 
 
-@pytest.mark.parametrize("changed,only", [  # a method's evaluate items watch its section too (dvc.yaml's `own`)
-    ("methods.medusa.num_heads", {"train@medusa", "evaluate@medusa"}),
-    # the draft's size: not EAGLE's, Medusa's, the variants', nor the untrained draft's evaluation
-    ("methods.draft.draft.num_layers", {"train@draft", "evaluate@draft"}),
-    ("methods.draft.loss.name", {"train@draft", "evaluate@draft"}),
-    ("methods.eagle.optimizer.lr", EAGLE),
-    ("methods.eagle31.fc_norm", {"train@eagle31", "evaluate@eagle31"}),
-    ("methods.suffix.max_spec_tokens", {"evaluate@suffix"}),  # a method that trains nothing
+@pytest.mark.parametrize("changed,only", [  # a trained method's evaluate items follow it through its model folder
+    ("methods.medusa.num_heads", {"train@medusa"}),
+    # the draft's size: not EAGLE's, Medusa's nor the variants'
+    ("methods.draft.draft.num_layers", {"train@draft"}),
+    ("methods.draft.loss.name", {"train@draft"}),
+    ("methods.eagle.optimizer.lr", {"train@eagle"}),
+    ("methods.eagle31.fc_norm", {"train@eagle31"}),
+    # how a method drafts (conf/decode/) reruns the evaluate items that draft with it, and no training
+    ("decode.suffix.max_spec_tokens", {"evaluate@suffix"}),  # a method that trains nothing
+    ("decode.medusa.budget", {"evaluate@medusa"}),
+    ("decode.eagle.tree.total_tokens", EAGLE_EVALS),
+    ("decode.draft.layers", {"evaluate@draft", "evaluate@untrained"}),
     ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
     ("evals.untrained.k", {"evaluate@untrained"}),
 ])
@@ -57,6 +61,8 @@ def test_shared_keys_still_rerun_every_stage_that_reads_them():
     trains = {s for s in stage_params() if s.startswith("train@")}
     assert trains <= rerun_by("distill.data.batch_size") and trains <= rerun_by("trainer.max_steps")
     assert {s for s in stage_params() if s.startswith("evaluate@")} == rerun_by("eval.max_new_tokens")
+    # prompt lookup's settings: its row and branch beside any draft, and the positions every item counts
+    assert {s for s in stage_params() if s.startswith("evaluate@")} == rerun_by("decode.lookup.k")
 
 
 def test_no_stage_command_carries_config():
@@ -77,7 +83,8 @@ def test_every_item_names_a_config_section():
         if stage.startswith("train@"):
             assert stage.split("@")[1] in cfg["methods"], stage
         if stage.startswith("evaluate@"):
-            assert stage.split("@")[1] in cfg["evals"], stage
+            item = cfg["evals"][stage.split("@")[1]]
+            assert f"decode.{item['method']}" in stage_params()[stage], stage  # the section its method drafts with
 
 
 def test_every_metrics_and_plots_output_is_under_its_experiment():

@@ -289,10 +289,10 @@ def test_evaluate_stage_runs_eagle(tmp_path, tiny_target_dir, monkeypatch):
     assert metrics["settings"]["eagle_variant"] == "eagle3" and metrics["settings"]["eagle_tree"]["total_tokens"] == 5
     t0 = greedy_texts(tmp_path / "plots/eagle/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
-    cfg["eval"]["eagle_tree"] = {"shape": "bush"}
-    with pytest.raises(ConfigError, match="eagle_tree"):
+    cfg["decode"]["eagle"]["tree"] = {"shape": "bush"}
+    with pytest.raises(ConfigError, match=r"decode.eagle.tree"):
         evaluate_stage.run(cfg)
     # depth 2, top_k 2 grows 2 + 4 nodes: asking to keep 16 would verify 6 under a 16-node label
-    cfg["eval"]["eagle_tree"] = {"shape": "dynamic", "depth": 2, "top_k": 2, "total_tokens": 16}
+    cfg["decode"]["eagle"]["tree"] = {"shape": "dynamic", "depth": 2, "top_k": 2, "total_tokens": 16}
     with pytest.raises(ConfigError, match="grows at most 6 nodes, not total_tokens=16"):
         evaluate_stage.run(cfg)

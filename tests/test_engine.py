@@ -264,17 +264,17 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
               f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots", "logger=none",
               "target=hf", f"target.name_or_path={served['target']}", "target.dtype=float32", "target.device=cpu"]
     for what in ("target", method) if method != "ngram" else ("target",):
-        export_stage.run(composed(*common, f"export.method={what}", f"export.eagle_path={served['tmp']}/models/eagle",
-                                  f"export.draft_path={served['tmp']}/models/draft_full",
-                                  f"export.medusa_path={served['tmp']}/models/medusa",
-                                  f"export.dflash_path={served['tmp']}/models/dflash"))
+        export_stage.run(composed(*common, f"export.method={what}", f"export.models.eagle={served['tmp']}/models/eagle",
+                                  f"export.models.draft={served['tmp']}/models/draft_full",
+                                  f"export.models.medusa={served['tmp']}/models/medusa",
+                                  f"export.models.dflash={served['tmp']}/models/dflash"))
     m = serve_stage.run(composed(*common, f"serve.method={method}", "serve.k=[2]", "serve.agreement_k=2",
                                  "serve.concurrency=[1,2]", "serve.temperatures=[0.0]", "serve.datasets=[mtbench]",
                                  "serve.num_prompts=1", "serve.max_new_tokens=16", "serve.deploy_min_speedup=0",
-                                 f"serve.eagle_path={served['tmp']}/models/eagle",
-                                 f"serve.draft_path={served['tmp']}/models/draft_full",
-                                 f"serve.medusa_path={served['tmp']}/models/medusa",
-                                 f"serve.dflash_path={served['tmp']}/models/dflash"))
+                                 f"serve.models.eagle={served['tmp']}/models/eagle",
+                                 f"serve.models.draft={served['tmp']}/models/draft_full",
+                                 f"serve.models.medusa={served['tmp']}/models/medusa",
+                                 f"serve.models.dflash={served['tmp']}/models/dflash"))
     saved = read_record(tmp_path / f"metrics/serve_{method}.json")
     assert saved["settings"]["vllm"] == "0.32.0" and saved["settings"]["method"] == method
     cell = saved["results"]["mtbench"]["T0.0"]["c1"]

@@ -105,8 +105,9 @@ def test_evaluate_stage_writes_metrics_and_plots(tmp_path, tiny_target_dir, tiny
     monkeypatch.chdir(tmp_path)
     cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+           "decode": {"draft": {"path": None, "layers": 1}},
            "eval": {"method": "draft", "num_prompts": 2, "max_new_tokens": 6, "temperatures": [0.0],
-                    "draft_layers": 1, "k": 3, "hf_baselines": True}}
+                    "k": 3, "hf_baselines": True}}
     metrics = evaluate_stage.run(cfg)
     saved = read_record(tmp_path / "metrics/draft.json")
     headline = json.loads((tmp_path / "metrics/draft.json").read_text())  # what `dvc metrics show` prints

@@ -126,9 +126,9 @@ def test_evaluate_stage_on_the_device(tmp_path, tiny_target_dir, monkeypatch, me
         head = random_head(loaded.model, "eagle3", torch.arange(100))
         head.cfg.target_fingerprint = loaded.fingerprint
         save_eagle(head, tmp_path / "models/eagle")
-        ev |= {"eagle_path": str(tmp_path / "models/eagle"), "hf_baselines": False}
+        ev |= {"decode": {"path": str(tmp_path / "models/eagle")}, "hf_baselines": False}
     else:
-        ev |= {"draft_path": None, "draft_layers": 1, "k": 3, "hf_baselines": True}
+        ev |= {"decode": {"path": None, "layers": 1}, "k": 3, "hf_baselines": True}
     monkeypatch.chdir(tmp_path)
     cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32", "device": DEVICE}, "eval": ev}

@@ -79,3 +79,16 @@ def test_no_stage_imports_a_method_module():
     offenders = sorted(f"{stage} imports {m}" for stage in graph if stage.startswith("specdistill.stages.")
                        for m in graph[stage] & own)
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_stages_that_train_nothing_do_not_import_the_training_stack():
+    """evaluate, export, serve and report start without Lightning and torchmetrics (a few seconds a process, paid by
+    every one of their DVC items): a method's config lives in its method module, its Lightning module is imported
+    only when it trains."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import specdistill.stages.evaluate, specdistill.stages.export, specdistill.stages.serve, "
+            "specdistill.stages.report; print(sorted(m for m in ('lightning', 'torchmetrics') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

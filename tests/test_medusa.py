@@ -215,7 +215,8 @@ def test_evaluate_stage_runs_medusa(tmp_path, tiny_target_dir, tiny_tokenizer, m
     cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
            "eval": {"method": "medusa", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
-                    "temperatures": [0.0, 1.0], "medusa_path": str(tmp_path / "models/medusa"), "medusa_budget": 4}}
+                    "temperatures": [0.0, 1.0]},
+           "decode": {"medusa": {"path": str(tmp_path / "models/medusa"), "budget": 4}}}
     metrics = evaluate_stage.run(cfg)
     m = metrics["results"]["mtbench"]["T0"]
     assert {"ar", "spec"} <= set(m) and metrics["settings"]["tree_nodes"] == 4
@@ -223,13 +224,13 @@ def test_evaluate_stage_runs_medusa(tmp_path, tiny_target_dir, tiny_tokenizer, m
     samples = [json.loads(x) for x in (tmp_path / "plots/medusa/samples.jsonl").read_text().splitlines()]
     t0 = {(s["turn"], s["method"]): s["text"] for s in samples if s["temperature"] == 0.0}
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]  # lossless at T=0, both turns
-    cfg["eval"]["medusa_budget"] = 16  # not saved, and no accuracies to grow it from
-    with pytest.raises(ValueError, match="medusa_budget"):
+    cfg["decode"]["medusa"]["budget"] = 16  # not saved, and no accuracies to grow it from
+    with pytest.raises(ValueError, match=r"decode.medusa.budget=16"):
         evaluate_stage.run(cfg)
     trees = json.loads((tmp_path / "models/medusa/tree.json").read_text())
     trees["acc"] = [[0.5, 0.2], [0.4, 0.1], [0.3, 0.1]]
     (tmp_path / "models/medusa/tree.json").write_text(json.dumps(trees))
-    cfg["eval"]["medusa_budget"] = 5  # grown from the saved accuracies
+    cfg["decode"]["medusa"]["budget"] = 5  # grown from the saved accuracies
     assert evaluate_stage.run(cfg)["settings"]["tree_nodes"] == 5
 
 

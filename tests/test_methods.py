@@ -44,8 +44,8 @@ def test_a_method_registered_from_outside_reaches_the_stages(monkeypatch):
     from specdistill.decoding.proposers import PromptLookupProposer
     from specdistill.stages.evaluate import EvalConfig
 
-    def drafting(ecfg, target):
-        return methods.Drafting(PromptLookupProposer(ecfg.lookup_k, 4, 4, 1), {"note": "4-grams only"})
+    def drafting(ecfg, target, dec):
+        return methods.Drafting(PromptLookupProposer(ecfg.k, 4, 4, 1), {"note": "4-grams only"})
 
     monkeypatch.setitem(methods.REGISTRY, "lookup4", methods.Method("lookup4", "prompt lookup on 4-grams",
                                                                     draft=drafting))
@@ -59,3 +59,18 @@ def test_every_trainable_method_has_its_config_file():
     for name in methods.names("train"):
         assert (ROOT / "conf/methods" / f"{name}.yaml").exists(), name
         assert Path(ROOT / "conf/config.yaml").read_text().count(f"methods@methods.{name}: {name}") == 1
+
+
+def test_a_stage_names_each_methods_trained_folder_in_its_models_map():
+    """export and serve read the folder a method trained from their `models` map; a missing entry is named."""
+    from types import SimpleNamespace
+
+    assert methods.trained_folder(SimpleNamespace(models={"eagle": "models/eagle"}), "eagle", "export") == \
+        "models/eagle"
+    with pytest.raises(ConfigError, match=r"serve\.models\.medusa is not set.*serve\.models\.medusa=models/medusa"):
+        methods.trained_folder(SimpleNamespace(models={"eagle": "models/eagle"}), "medusa", "serve")
+
+
+def test_decode_keys_for_a_method_without_decode_settings_are_refused():
+    with pytest.raises(ConfigError, match=r"decode keys \['k'\] were set for method=ngram"):
+        methods.decode_settings({}, "ngram", {"k": 2})

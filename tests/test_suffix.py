@@ -103,16 +103,18 @@ def test_the_draft_grows_with_the_match_and_stops_at_the_depth_it_is_given():
     assert proposer.propose([1, 2, 9, 1, 2], 10, greedy, None).tokens.tolist() == [9, 1]
 
 
-def test_its_settings_come_from_methods_suffix_and_are_checked_at_start(tmp_path):
+def test_its_settings_come_from_decode_suffix_and_are_checked_at_start(tmp_path):
     assert "suffix" in methods.names("evaluate") and "suffix" not in methods.names("train")
-    own = methods.own_settings({"methods": {"suffix": {"name": "suffix", "corpus": None, "max_spec_tokens": 4}}},
-                               "suffix")
+    own = methods.decode_settings({"decode": {"suffix": {"corpus": None, "max_spec_tokens": 4}}}, "suffix")
     assert isinstance(own, SuffixConfig) and own.max_spec_tokens == 4 and own.corpus is None
-    assert methods.own_settings({"methods": {}}, "eagle") is None  # a method that trains reads no own section here
-    with pytest.raises(ConfigError, match=r"methods.suffix.max_spec_tokens"):
-        methods.own_settings({"methods": {"suffix": {"max_spec_tokens": "many"}}}, "suffix")
-    with pytest.raises(ConfigError, match=r"conf/methods/suffix.yaml"):
-        methods.own_settings({"methods": {}}, "suffix")
+    over = methods.decode_settings({"decode": {"suffix": {"corpus": None}}}, "suffix", {"max_spec_tokens": 2})
+    assert over.max_spec_tokens == 2  # an evaluate item's keys over the section
+    assert methods.decode_settings({"decode": {}}, "ngram") is None  # the engine's method drafts nothing of ours
+    with pytest.raises(ConfigError, match=r"decode.suffix.max_spec_tokens"):
+        methods.decode_settings({"decode": {"suffix": {"max_spec_tokens": "many"}}}, "suffix")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['max_spec'\] in `decode.suffix`"):
+        methods.decode_settings({"decode": {"suffix": {}}}, "suffix", {"max_spec": 2})
+    assert methods.decode_settings({}, "suffix") == SuffixConfig()  # no section (built by hand): the defaults
     with pytest.raises(ConfigError, match=r"run the generate stage"):
         load_answers(tmp_path, "train")
 
@@ -149,14 +151,14 @@ def test_evaluate_stage_runs_suffix_decoding_over_a_generated_corpus(tmp_path, t
     monkeypatch.chdir(tmp_path)
     cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
-           "methods": {"suffix": {"name": "suffix", "corpus": str(tmp_path / "generated"), "max_spec_tokens": 4}},
+           "decode": {"suffix": {"corpus": str(tmp_path / "generated"), "max_spec_tokens": 4}},
            "eval": {"method": "suffix", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
                     "temperatures": [0.0, 1.0], "hf_baselines": False}}
     evaluate_stage.run(cfg)
     record = read_record(tmp_path / "metrics/suffix.json")
     assert record["settings"]["suffix"]["max_spec_tokens"] == 4 and record["settings"]["corpus_tokens"] > 0
     assert set(record["results"]["mtbench"]) == {"T0", "T1"}
-    cfg["methods"]["suffix"]["max_spec_tokens"] = 0  # out of range: refused before the target loads
+    cfg["decode"]["suffix"]["max_spec_tokens"] = 0  # out of range: refused before the target loads
     cfg["target"]["name_or_path"] = str(tmp_path / "missing")
-    with pytest.raises(ConfigError, match=r"methods.suffix.max_spec_tokens=0"):
+    with pytest.raises(ConfigError, match=r"decode.suffix.max_spec_tokens=0"):
         evaluate_stage.run(cfg)

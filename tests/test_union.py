@@ -121,26 +121,28 @@ def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_di
     from specdistill.errors import ConfigError
     from specdistill.stages import evaluate as evaluate_stage
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", lookup_branch=True,
-                            hf_baselines=False, lookup_k=4, lookup_branches=2)
+                            hf_baselines=False)
+    cfg["decode"]["lookup"]["branches"] = 2
     metrics = evaluate_stage.run(cfg)
-    assert metrics["settings"]["lookup_branch"] is True and metrics["settings"]["lookup_branches"] == 2
+    assert metrics["settings"]["lookup_branch"] is True and metrics["settings"]["lookup"]["branches"] == 2
     t0 = greedy_texts(tmp_path / "plots/eagle_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
-    bad = [({"method": "lookup"}, "the chain alone"),
-           ({"eagle_tree": {"shape": "chain"}}, r"method=eagle drafts a chain by sampling.*shape=dynamic"),
-           ({"method": "draft"}, r"method=draft drafts a chain by sampling.*eval.tree"),
-           ({"lookup_min_ngram": 4}, "lookup_min_ngram"),
-           ({"lookup_branches": 0}, r"eval\.lookup_branches=0`: must be in \[1, 64\]")]
-    for change, message in bad:
+    bad = [({"method": "lookup"}, {}, "the chain alone"),
+           ({"decode": {"tree": {"shape": "chain"}}}, {}, r"method=eagle drafts a chain by sampling.*shape=dynamic"),
+           ({"method": "draft"}, {}, r"method=draft drafts a chain by sampling.*eval.tree"),
+           ({}, {"min_ngram": 4}, r"decode.lookup: need 1 <= min_ngram \(4\) <= max_ngram \(3\)"),
+           ({}, {"branches": 0}, r"decode\.lookup\.branches=0`: must be in \[1, 64\]")]
+    for change, lookup, message in bad:
         with pytest.raises(ConfigError, match=message):
-            evaluate_stage.run({**cfg, "eval": {**cfg["eval"], **change}})
+            evaluate_stage.run({**cfg, "eval": {**cfg["eval"], **change},
+                                "decode": {**cfg["decode"], "lookup": {**cfg["decode"]["lookup"], **lookup}}})
 
 
 def test_evaluate_stage_runs_a_separate_draft_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):
     """The branch is not EAGLE's: a draft LM's top-k tree (here the target's first layers, untrained) merges too."""
     from specdistill.stages import evaluate as evaluate_stage
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="draft_lookup", method="draft", tree=[2, 2],
-                            lookup_branch=True, hf_baselines=False, lookup_k=4, draft_layers=1)
+                            lookup_branch=True, hf_baselines=False)
     metrics = evaluate_stage.run(cfg)
     assert metrics["settings"]["lookup_branch"] is True and metrics["method"] == "draft"
     t0 = greedy_texts(tmp_path / "plots/draft_lookup/samples.jsonl")
@@ -148,11 +150,20 @@ def test_evaluate_stage_runs_a_separate_draft_with_a_lookup_branch(tmp_path, tin
 
 
 def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic():
+    from specdistill import methods
     from specdistill.errors import ConfigError
-    from specdistill.stages.evaluate import EvalConfig
-    EvalConfig(method="draft", lookup_branch=True, temperatures=[0.0])  # a greedy chain
-    EvalConfig(method="draft", lookup_branch=True, tree=[2, 2], temperatures=[0.0, 1.0])  # a top-k tree
-    EvalConfig(method="medusa", lookup_branch=True, temperatures=[0.0, 1.0])  # Medusa's tree is top-ranked tokens
-    EvalConfig(method="eagle", lookup_branch=True, eagle_tree={"shape": "chain"}, temperatures=[0.0])
+    from specdistill.stages.evaluate import EvalConfig, check_branch
+
+    def check(method: str, decode: dict | None = None, **eval_keys) -> None:
+        check_branch(EvalConfig(method=method, lookup_branch=True, **eval_keys),
+                     methods.decode_settings({}, method, decode))
+
+    check("draft", temperatures=[0.0])  # a greedy chain
+    check("draft", tree=[2, 2], temperatures=[0.0, 1.0])  # a top-k tree
+    check("medusa", temperatures=[0.0, 1.0])  # Medusa's tree is top-ranked tokens
+    check("eagle", {"tree": {"shape": "chain"}}, temperatures=[0.0])
+    check("dflash", {"branching": [2, 1]}, temperatures=[0.0, 1.0])  # a tree of each slot's top tokens
     with pytest.raises(ConfigError, match="method=draft drafts a chain by sampling"):
-        EvalConfig(method="draft", lookup_branch=True, temperatures=[1.0])
+        check("draft", temperatures=[1.0])
+    with pytest.raises(ConfigError, match=r"method=dflash drafts a chain by sampling.*decode.dflash.branching"):
+        check("dflash", temperatures=[1.0])

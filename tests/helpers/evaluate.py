@@ -26,8 +26,10 @@ def eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, **eval_overrides) 
     return {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
             "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
             "eval": {"method": "eagle", "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8,
-                     "temperatures": [0.0, 1.0], "eagle_path": str(tmp_path / "models/eagle"),
-                     "eagle_tree": {"shape": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}, **eval_overrides}}
+                     "temperatures": [0.0, 1.0], **eval_overrides},
+            "decode": {"eagle": {"path": str(tmp_path / "models/eagle"),
+                                 "tree": {"shape": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}},
+                       "draft": {"path": None, "layers": 1}, "lookup": {"k": 4}}}
 
 
 def greedy_texts(samples_file) -> dict:

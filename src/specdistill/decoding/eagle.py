@@ -39,7 +39,7 @@ class EagleTreeConfig:
     branching: list[int] | None = None  # static tree: children per node, per depth
     depth: int = 3  # dynamic tree: levels
     top_k: int = 3  # dynamic tree: nodes expanded per level, children per expanded node
-    total_tokens: int = 8  # dynamic tree: nodes kept for verification (eval.eagle_tree's: 8 beat 12 and 16 on 2 cores)
+    total_tokens: int = 8  # dynamic tree: nodes kept for verification (decode.eagle.tree's: 8 beat 12, 16 on 2 cores)
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:

@@ -39,10 +39,7 @@ class ServeConfig:
     ngram_max: int
     ngram_min: int
     export_dir: str
-    eagle_path: str
-    draft_path: str
-    medusa_path: str
-    dflash_path: str
+    models: dict[str, str]  # method -> the trained folder our decoder runs for the agreement table
     timeout_s: int
     seed: int
     deploy_min_speedup: float  # a load's K goes into the deployed schedule only at this speed-up or more (else 0)

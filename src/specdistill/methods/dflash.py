@@ -4,12 +4,37 @@ or a small tree of each slot's top tokens; served by vLLM (`method: dflash`) fro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from specdistill.errors import ConfigError
-from specdistill.methods.registry import Built, Drafting, Method, register
-from specdistill.training.dflash import DFlashMethodConfig
+from specdistill.methods.registry import Built, Drafting, Method, register, trained_folder
+from specdistill.training.config import MethodConfigBase
+
+
+@dataclass
+class DFlashMethodConfig(MethodConfigBase):
+    name: str = "dflash"
+    num_layers: int = 2  # the drafter's layers at the target's width (started from the target's last ones)
+    block_size: int = 8  # slots per block: the last token and block_size - 1 masks (K = block_size - 1)
+    feature_layers: list[int] | None = None  # HiddenTap indices; null: EAGLE-3's [2, L//2, L-3] (one store for both)
+    vocab_size: int | None = 8192  # draft vocabulary (top-N tokens of the generated data); null: the target's
+    mask_token_id: int | None = None  # the id the engine swaps for the mask embedding; null: the tokenizer's bos
+    anchors: int = 32  # random anchors (blocks) per sequence per training step
+    gamma: float = 4.0  # position weights exp(-(j-1)/gamma) (DFlash: 4 for blocks of 8, 7 for 16)
+    step_weights: str = "decay"  # decay: the exponential above | dpace: D-PACE weights per anchor (dpace_alpha)
+    dpace_alpha: float = 0.5
+    teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
+    RANGES: ClassVar[dict[str, str]] = {"num_layers": "[1, 16]", "block_size": "[2, 64]", "feature_layers": "[0, inf)",
+                                        "vocab_size": "[2, inf)", "mask_token_id": "[0, inf)", "anchors": "[1, inf)",
+                                        "gamma": "(0, inf)", "dpace_alpha": "(0, 1]"}
+    STEP_WEIGHTS = ("decay", "dpace")
+
+    def layers(self, num_layers: int) -> list[int]:
+        from specdistill.models.hidden import default_feature_layers
+
+        return list(self.feature_layers or default_feature_layers("eagle3", num_layers))
 
 
 def check(mcfg: DFlashMethodConfig) -> None:
@@ -57,29 +82,39 @@ def build(mcfg: DFlashMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], t
     return Built(module, drafter, save)
 
 
-def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
+@dataclass
+class DFlashDecode:
+    """decode.dflash (conf/decode/dflash.yaml): the drafter and what it drafts each round (one forward)."""
+
+    path: str | None = None  # train@dflash writes models/dflash
+    k: int | None = None  # tokens drafted per block; null: the whole block (block_size - 1)
+    branching: list[int] | None = None  # a tree: the top-b tokens of each slot, b per depth (null: a chain)
+    RANGES: ClassVar[dict[str, str]] = {"k": "[1, 64]", "branching": "[1, 64]"}
+
+
+def drafting(ecfg: Any, target: Any, dec: DFlashDecode) -> Drafting:
     from specdistill.decoding.dflash import DFlashProposer
     from specdistill.models.dflash import load_dflash
     from specdistill.models.heads_io import parameter_bytes, training_summary
 
-    if not ecfg.dflash_path:
-        raise ConfigError("eval.method=dflash needs eval.dflash_path (train@dflash writes models/dflash)")
+    if not dec.path:
+        raise ConfigError("eval.method=dflash needs decode.dflash.path (train@dflash writes models/dflash)")
     model = target.model
-    drafter = load_dflash(ecfg.dflash_path, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
+    drafter = load_dflash(dec.path, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
     try:
-        proposer = DFlashProposer(drafter, k=ecfg.dflash_k, branching=ecfg.dflash_branching)
+        proposer = DFlashProposer(drafter, k=dec.k, branching=dec.branching)
     except ValueError as e:
-        raise ConfigError(f"eval.dflash_k / dflash_branching: {e}") from e
+        raise ConfigError(f"decode.dflash.k / branching: {e}") from e
     n_params, n_bytes = parameter_bytes(drafter, model.dtype)
-    info = {"draft": ecfg.dflash_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
+    info = {"draft": dec.path, "draft_parameters": n_params, "draft_bytes": n_bytes,
             "draft_vocab": drafter.cfg.draft_vocab_size or drafter.cfg.vocab_size, "block_size": drafter.cfg.block_size,
-            "dflash_k": proposer.k, "dflash_branching": ecfg.dflash_branching,
-            "draft_training": training_summary(ecfg.dflash_path)}
+            "dflash_k": proposer.k, "dflash_branching": dec.branching,
+            "draft_training": training_summary(dec.path)}
     return Drafting(proposer, info, max_depth=proposer.k)
 
 
-def sampled_chain(ecfg: Any) -> str | None:
-    return None if ecfg.dflash_branching else "eval.dflash_branching (a tree of each slot's top tokens)"
+def sampled_chain(ecfg: Any, dec: DFlashDecode) -> str | None:
+    return None if dec.branching else "decode.dflash.branching (a tree of each slot's top tokens)"
 
 
 def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
@@ -90,7 +125,8 @@ def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     from specdistill.models.dflash import load_dflash
 
     target = load_target()
-    drafter = load_dflash(ecfg.dflash_path, target.model, dtype=torch.float32, target_fingerprint=target.fingerprint)
+    drafter = load_dflash(trained_folder(ecfg, "dflash", "export"), target.model, dtype=torch.float32,
+                          target_fingerprint=target.fingerprint)
     export_dflash(drafter, out, target_dir)
 
 
@@ -110,7 +146,7 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     from specdistill.decoding.dflash import DFlashProposer
     from specdistill.models.dflash import load_dflash
 
-    drafter = load_dflash(scfg.dflash_path, target.model, dtype=target.model.dtype,
+    drafter = load_dflash(trained_folder(scfg, "dflash", "serve"), target.model, dtype=target.model.dtype,
                           target_fingerprint=target.fingerprint)
     return DFlashProposer(drafter, k=k)
 
@@ -131,6 +167,6 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
 
 
 register(Method("dflash", __doc__, config=DFlashMethodConfig, build=build, label=label, reads_hidden=True,
-                precomputed=True, check=check, draft=drafting, sampled_chain=sampled_chain,
+                precomputed=True, check=check, decode=DFlashDecode, draft=drafting, sampled_chain=sampled_chain,
                 export=export, engine=engine, max_k=max_k, ours=ours,
                 describe=describe, describe_training=describe_training))

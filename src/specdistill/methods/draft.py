@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from specdistill.errors import ConfigError
-from specdistill.methods.registry import Built, Drafting, Method, OnlineStudent, register
+from specdistill.methods.registry import Built, Drafting, Method, OnlineStudent, register, trained_folder
 from specdistill.models.draft_lm import DraftSize
-from specdistill.training.base import MethodConfigBase
+from specdistill.training.config import MethodConfigBase
 
 
 @dataclass
@@ -68,29 +68,40 @@ def build(mcfg: DraftMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], ta
     return Built(module, draft, save)
 
 
-def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
-    """A trained draft (eval.draft_path) or the target's first eval.draft_layers layers, as a chain or a tree."""
+@dataclass
+class DraftDecode:
+    """decode.draft (conf/decode/draft.yaml): which draft; its chain or tree is eval.k / eval.tree (shared with HF
+    assisted generation)."""
+
+    path: str | None = None  # train@draft writes models/draft; null: the target's first `layers` layers (untrained)
+    layers: int = 4
+    RANGES: ClassVar[dict[str, str]] = {"layers": "[1, inf)"}
+
+
+def drafting(ecfg: Any, target: Any, dec: DraftDecode) -> Drafting:
+    """A trained draft (decode.draft.path) or the target's first decode.draft.layers layers, as a chain or a
+    tree."""
     from specdistill.decoding.proposers import DraftLMProposer
     from specdistill.models.draft_lm import check_same_vocabulary, draft_from_target, load_draft
     from specdistill.models.heads_io import training_summary
 
     model = target.model
-    if ecfg.draft_path:
-        draft = load_draft(ecfg.draft_path, dtype=model.dtype).to(target.device)
+    if dec.path:
+        draft = load_draft(dec.path, dtype=model.dtype).to(target.device)
     else:
-        draft = draft_from_target(model, ecfg.draft_layers)
+        draft = draft_from_target(model, dec.layers)
     check_same_vocabulary(draft, model)
     reduced = getattr(draft, "d2t", None) is not None
-    info = {"draft": ecfg.draft_path or f"target's first {ecfg.draft_layers} layers",
+    info = {"draft": dec.path or f"target's first {dec.layers} layers",
             "draft_parameters": sum(p.numel() for p in draft.parameters()),
             "draft_vocab": len(draft.d2t) if reduced else target.vocab_size,
-            "draft_training": training_summary(ecfg.draft_path)}
+            "draft_training": training_summary(dec.path)}
     proposer = DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree, capacity=ecfg.capacity)
     return Drafting(proposer, info, max_depth=len(ecfg.tree) if ecfg.tree else ecfg.k,
                     assistant=None if reduced else draft, lookup_row=True)
 
 
-def online(ocfg: Any, target: Any, path: str) -> OnlineStudent:
+def online(ocfg: Any, target: Any, path: str, dec: DraftDecode) -> OnlineStudent:
     import torch
 
     from specdistill.decoding.proposers import DraftLMProposer
@@ -119,7 +130,7 @@ def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     target itself need not load."""
     from specdistill.export.draft import export_draft
 
-    export_draft(ecfg.draft_path, out, target_dir)
+    export_draft(trained_folder(ecfg, "draft", "export"), out, target_dir)
 
 
 def engine(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
@@ -130,7 +141,7 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     from specdistill.decoding.proposers import DraftLMProposer
     from specdistill.models.draft_lm import load_draft
 
-    return DraftLMProposer(load_draft(scfg.draft_path, dtype=target.model.dtype), k=k)
+    return DraftLMProposer(load_draft(trained_folder(scfg, "draft", "serve"), dtype=target.model.dtype), k=k)
 
 
 def describe(s: dict[str, Any]) -> tuple[str, str]:
@@ -146,7 +157,8 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
 
 
 register(Method("draft", __doc__, describe=describe, describe_training=describe_training, config=DraftMethodConfig,
-                build=build, label=lambda mcfg, size: size.name, draft_size=DraftSize, check=check, draft=drafting,
-                sampled_chain=lambda ecfg: None if ecfg.tree else "eval.tree=[...] (a top-k tree)", online=online,
+                build=build, label=lambda mcfg, size: size.name, draft_size=DraftSize, check=check, decode=DraftDecode,
+                draft=drafting, sampled_chain=lambda ecfg, dec: None if ecfg.tree else "eval.tree=[...] (a top-k tree)",
+                online=online,
                 online_teacher="stored", export=export, engine=engine,
                 ours=ours))

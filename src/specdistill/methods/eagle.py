@@ -5,12 +5,42 @@ from the speculators-format export."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from specdistill.errors import ConfigError
-from specdistill.methods.registry import Built, Drafting, Method, OnlineStudent, register
-from specdistill.training.eagle import EagleMethodConfig
+from specdistill.methods.registry import Built, Drafting, Method, OnlineStudent, register, trained_folder
+from specdistill.models.hidden import default_feature_layers
+from specdistill.training.config import MethodConfigBase
+
+
+@dataclass
+class EagleMethodConfig(MethodConfigBase):
+    name: str = "eagle"
+    variant: str = "eagle3"  # eagle1 | eagle3
+    feature_layers: list[int] | None = None  # null: eagle1 [L] (the final norm's input); eagle3 [2, L//2, L-3]
+    vocab_size: int | None = 8192  # draft vocabulary (top-N tokens of the generated data); null: the target's
+    ttt_steps: int = 3  # training-time test: steps unrolled on the head's own states (1: EAGLE-1 training)
+    step_decay: float = 0.8  # step i's loss weight decay^i
+    feature_weight: float = 0.0  # eagle1: SmoothL1 on the predicted state (conf/methods/eagle1.yaml: 1.0)
+    ce_weight: float = 1.0  # the token loss's weight (eagle1: through the frozen LM head, 0.1)
+    noise: float = 0.0  # uniform noise in [-noise, noise] on the (unit-RMS) input features while training
+    step_weights: str = "decay"  # decay: step i weighs step_decay^i | dpace: D-PACE weights per anchor (dpace_alpha)
+    dpace_alpha: float = 0.5
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per fused target layer before fc (eagle3 only)
+    norm_output: bool = False  # EAGLE-3.1: the next training-time-test step reads the normed output (eagle3 only)
+    # methods.eagle.trainer (MethodConfigBase) matters most here: with precomputed features an EAGLE step costs
+    # about half a live one, so an experiment can give EAGLE more steps in the same time (conf/experiment/)
+    teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
+    RANGES: ClassVar[dict[str, str]] = {"feature_layers": "[0, inf)", "vocab_size": "[2, inf)", "ttt_steps": "[1, 16]",
+                                        "step_decay": "(0, 1]", "feature_weight": "[0, inf)", "ce_weight": "[0, inf)",
+                                        "noise": "[0, inf)", "dpace_alpha": "(0, 1]"}
+    STEP_WEIGHTS = ("decay", "dpace")
+
+    def layers(self, num_layers: int) -> list[int]:
+        """The HiddenTap indices the head reads: feature_layers, or the variant's default for this target."""
+        return list(self.feature_layers or default_feature_layers(self.variant, num_layers))
 
 
 def check(mcfg: EagleMethodConfig) -> None:
@@ -56,36 +86,54 @@ def build(mcfg: EagleMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], ta
     return Built(module, head, save)
 
 
-def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
+@dataclass
+class EagleDecode:
+    """decode.eagle (conf/decode/eagle.yaml): the head and its draft tree (decoding/eagle.py EagleTreeConfig),
+    checked here, before the target loads."""
+
+    path: str | None = None  # train@eagle writes models/eagle (eagle3); train@eagle1 models/eagle1
+    tree: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tree_config()
+
+    def tree_config(self) -> Any:
+        from specdistill.decoding.eagle import EagleTreeConfig
+
+        try:
+            return EagleTreeConfig(**self.tree)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"decode.eagle.tree: {e}") from e
+
+
+def drafting(ecfg: Any, target: Any, dec: EagleDecode) -> Drafting:
     from dataclasses import asdict
 
-    from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+    from specdistill.decoding.eagle import EagleProposer
     from specdistill.models.eagle import load_eagle
     from specdistill.models.heads_io import parameter_bytes, training_summary
 
-    if not ecfg.eagle_path:
-        raise ConfigError("eval.method=eagle needs eval.eagle_path (train@eagle writes models/eagle)")
+    if not dec.path:
+        raise ConfigError("eval.method=eagle needs decode.eagle.path (train@eagle writes models/eagle)")
     model = target.model
-    head = load_eagle(ecfg.eagle_path, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
-    eagle = EagleProposer(head, EagleTreeConfig(**ecfg.eagle_tree), capacity=ecfg.capacity)
+    head = load_eagle(dec.path, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
+    eagle = EagleProposer(head, dec.tree_config(), capacity=ecfg.capacity)
     n_params, n_bytes = parameter_bytes(head, model.dtype)
-    info = {"draft": ecfg.eagle_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
+    info = {"draft": dec.path, "draft_parameters": n_params, "draft_bytes": n_bytes,
             "draft_vocab": head.cfg.draft_vocab_size or head.cfg.vocab_size, "eagle_variant": label(head.cfg, None),
-            "eagle_tree": asdict(eagle.tree), "draft_training": training_summary(ecfg.eagle_path)}
+            "eagle_tree": asdict(eagle.tree), "draft_training": training_summary(dec.path)}
     depth = max(eagle.tree.k, eagle.tree.depth, len(eagle.tree.branching or []))
     return Drafting(eagle, info, max_depth=depth)
 
 
-def sampled_chain(ecfg: Any) -> str | None:
-    from specdistill.decoding.eagle import EagleTreeConfig
-
-    return "eval.eagle_tree.shape=dynamic (or static)" if EagleTreeConfig(**ecfg.eagle_tree).shape == "chain" else None
+def sampled_chain(ecfg: Any, dec: EagleDecode) -> str | None:
+    return "decode.eagle.tree.shape=dynamic (or static)" if dec.tree_config().shape == "chain" else None
 
 
-def online(ocfg: Any, target: Any, path: str) -> OnlineStudent:
+def online(ocfg: Any, target: Any, path: str, dec: EagleDecode) -> OnlineStudent:
     import torch
 
-    from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+    from specdistill.decoding.eagle import EagleProposer
     from specdistill.models.eagle import load_eagle, save_eagle
     from specdistill.models.heads_io import read_settings
     from specdistill.training.eagle import EagleModule
@@ -105,7 +153,7 @@ def online(ocfg: Any, target: Any, path: str) -> OnlineStudent:
     def save(out: Path, requests: int) -> None:
         save_eagle(serving, out, extra={"requests": requests})
 
-    return OnlineStudent(module, EagleProposer(serving, EagleTreeConfig(**ocfg.eagle_tree)), head, serving, save)
+    return OnlineStudent(module, EagleProposer(serving, dec.tree_config()), head, serving, save)
 
 
 def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
@@ -116,7 +164,8 @@ def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     from specdistill.models.eagle import load_eagle
 
     target = load_target()
-    head = load_eagle(ecfg.eagle_path, target.model, dtype=torch.float32, target_fingerprint=target.fingerprint)
+    head = load_eagle(trained_folder(ecfg, "eagle", "export"), target.model, dtype=torch.float32,
+                      target_fingerprint=target.fingerprint)
     export_eagle3(head, out, target_dir, num_speculative_tokens=ecfg.num_speculative_tokens)
 
 
@@ -128,7 +177,8 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
     from specdistill.models.eagle import load_eagle
 
-    head = load_eagle(scfg.eagle_path, target.model, dtype=target.model.dtype, target_fingerprint=target.fingerprint)
+    head = load_eagle(trained_folder(scfg, "eagle", "serve"), target.model, dtype=target.model.dtype,
+                      target_fingerprint=target.fingerprint)
     return EagleProposer(head, EagleTreeConfig(shape="chain", k=k))
 
 
@@ -157,18 +207,9 @@ def label(mcfg: Any, size: Any) -> str:
     return mcfg.variant + ("-fc_norm" if mcfg.fc_norm else "") + ("-norm_output" if mcfg.norm_output else "")
 
 
-def check_eval(ecfg: Any) -> None:
-    from specdistill.decoding.eagle import EagleTreeConfig
-
-    try:
-        EagleTreeConfig(**ecfg.eagle_tree)  # a bad tree fails here, before the target loads
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"eval.eagle_tree: {e}") from e
-
-
 register(Method("eagle", __doc__, config=EagleMethodConfig, build=build, label=label,
                 reads_hidden=True, precomputed=True, check=check,
-                check_eval=check_eval, draft=drafting, online=online, export=export,
+                decode=EagleDecode, draft=drafting, online=online, export=export,
                 sampled_chain=sampled_chain, engine=engine, ours=ours, describe=describe,
                 describe_training=describe_training))
 # EAGLE-1: the same method with its own config section (methods.eagle1: variant eagle1); it shares EAGLE's

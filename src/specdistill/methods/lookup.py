@@ -3,19 +3,38 @@ train. `lookup` is ours (evaluate; also a branch beside any draft, decoding/unio
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from specdistill.errors import ConfigError
 from specdistill.methods.registry import Drafting, Method, register
 
 
-def proposer(ecfg: Any) -> Any:
+@dataclass
+class LookupDecode:
+    """decode.lookup (conf/decode/lookup.yaml)."""
+
+    k: int = 8  # tokens drafted after the latest earlier match of the context's last n-gram
+    max_ngram: int = 3  # longest n-gram tried first
+    min_ngram: int = 1
+    branches: int = 1  # sibling chains: older matches and shorter n-grams (decoding/proposers.py); 1: one chain
+    RANGES: ClassVar[dict[str, str]] = {"k": "[1, 64]", "max_ngram": "[1, inf)", "min_ngram": "[1, inf)",
+                                        "branches": "[1, 64]"}
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ConfigError(f"decode.lookup: need 1 <= min_ngram ({self.min_ngram}) <= max_ngram "
+                              f"({self.max_ngram})")
+
+
+def proposer(dec: LookupDecode) -> Any:
     from specdistill.decoding.proposers import PromptLookupProposer
 
-    return PromptLookupProposer(ecfg.lookup_k, ecfg.lookup_max_ngram, ecfg.lookup_min_ngram, ecfg.lookup_branches)
+    return PromptLookupProposer(dec.k, dec.max_ngram, dec.min_ngram, dec.branches)
 
 
-def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
-    return Drafting(proposer(ecfg), {}, max_depth=0, lookup_branch=False)
+def drafting(ecfg: Any, target: Any, dec: LookupDecode) -> Drafting:
+    return Drafting(proposer(dec), {}, max_depth=0, lookup_branch=False)
 
 
 def engine(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
@@ -30,10 +49,10 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
 
 
 def describe(s: dict[str, Any]) -> tuple[str, str]:
-    branches = s.get("lookup_branches", 1)
+    branches = (s.get("lookup") or {}).get("branches", s.get("lookup_branches", 1))  # the older records' key
     return "prompt lookup", "prompt lookup" + (f", a tree of {branches} chains" if branches > 1 else "")
 
 
-register(Method("lookup", __doc__, draft=drafting, describe=describe))
+register(Method("lookup", __doc__, decode=LookupDecode, draft=drafting, describe=describe))
 register(Method("ngram", "The engine's prompt lookup (vLLM `method: ngram`), with ours beside it.", engine=engine,
                 ours=ours))

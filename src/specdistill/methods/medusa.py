@@ -3,12 +3,26 @@ token k + 1 ahead, verified as a tree grown from the heads' per-rank accuracies.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from specdistill.errors import ConfigError
-from specdistill.methods.registry import Built, Drafting, Method, register
-from specdistill.training.medusa import MedusaMethodConfig
+from specdistill.methods.registry import Built, Drafting, Method, register, trained_folder
+from specdistill.training.config import MethodConfigBase
+
+
+@dataclass
+class MedusaMethodConfig(MethodConfigBase):
+    name: str = "medusa"
+    num_heads: int = 4  # K
+    num_layers: int = 1  # residual blocks per head
+    vocab_size: int | None = 8192  # reduced head over the most frequent tokens (d2t); null: the full vocabulary
+    decay: float = 0.8  # head k's loss weight decay^k
+    max_rank: int = 10  # candidate ranks measured per head (the tree builder's acc[k][i])
+    tree_budgets: list[int] = field(default_factory=lambda: [16, 32, 64])  # trees saved beside the heads
+    RANGES: ClassVar[dict[str, str]] = {"num_heads": "[1, 16]", "num_layers": "[1, inf)", "vocab_size": "[2, inf)",
+                                        "decay": "(0, 1]", "max_rank": "[1, inf)", "tree_budgets": "[1, inf)"}
 
 
 def build(mcfg: MedusaMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], target: Any, datamodule: Any,
@@ -35,40 +49,50 @@ def build(mcfg: MedusaMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], t
     return Built(module, heads, save)
 
 
-def choices(ecfg: Any) -> list[tuple[int, ...]]:
-    """The Medusa tree to verify: explicit choices, the saved tree of `medusa_budget` nodes, or one grown
-    to that budget from the per-rank accuracies saved beside the heads."""
+@dataclass
+class MedusaDecode:
+    """decode.medusa (conf/decode/medusa.yaml): the heads and the tree verified each round."""
+
+    path: str | None = None  # train@medusa writes models/medusa (heads + tree.json)
+    budget: int = 12  # tree nodes: a saved tree, or one grown from the saved accuracies
+    choices: list[list[int]] | None = None  # an explicit Medusa tree instead of a saved one
+    RANGES: ClassVar[dict[str, str]] = {"budget": "[1, inf)"}
+
+
+def choices(dec: MedusaDecode) -> list[tuple[int, ...]]:
+    """The Medusa tree to verify: explicit choices, the saved tree of `budget` nodes, or one grown to that budget
+    from the per-rank accuracies saved beside the heads."""
     from specdistill.models.medusa import load_trees
     from specdistill.models.medusa_tree import grow_tree, sort_choices
 
-    if ecfg.medusa_choices:
-        return sort_choices(ecfg.medusa_choices)
-    saved = load_trees(ecfg.medusa_path)
-    if str(ecfg.medusa_budget) in saved["trees"]:
-        return sort_choices(saved["trees"][str(ecfg.medusa_budget)]["choices"])
+    if dec.choices:
+        return sort_choices(dec.choices)
+    saved = load_trees(dec.path)
+    if str(dec.budget) in saved["trees"]:
+        return sort_choices(saved["trees"][str(dec.budget)]["choices"])
     if "acc" in saved:
-        return grow_tree(saved["acc"], ecfg.medusa_budget)
-    raise ConfigError(f"eval.medusa_budget={ecfg.medusa_budget}: {ecfg.medusa_path} has trees of "
+        return grow_tree(saved["acc"], dec.budget)
+    raise ConfigError(f"decode.medusa.budget={dec.budget}: {dec.path} has trees of "
                       f"{sorted(int(b) for b in saved['trees'])} nodes and no accuracies to grow another; "
-                      "give eval.medusa_choices")
+                      "give decode.medusa.choices")
 
 
-def drafting(ecfg: Any, target: Any, own: Any = None) -> Drafting:
+def drafting(ecfg: Any, target: Any, dec: MedusaDecode) -> Drafting:
     from specdistill.decoding.medusa import MedusaProposer
     from specdistill.models.heads_io import parameter_bytes, training_summary
     from specdistill.models.medusa import load_medusa
 
-    if not ecfg.medusa_path:
-        raise ConfigError("eval.method=medusa needs eval.medusa_path (train@medusa writes models/medusa)")
+    if not dec.path:
+        raise ConfigError("eval.method=medusa needs decode.medusa.path (train@medusa writes models/medusa)")
     model = target.model
-    heads = load_medusa(ecfg.medusa_path, dtype=model.dtype, target_fingerprint=target.fingerprint,
+    heads = load_medusa(dec.path, dtype=model.dtype, target_fingerprint=target.fingerprint,
                         target=model).to(target.device)
-    tree = choices(ecfg)
+    tree = choices(dec)
     n_params, n_bytes = parameter_bytes(heads, model.dtype)
-    info = {"draft": ecfg.medusa_path, "draft_parameters": n_params, "draft_bytes": n_bytes,
+    info = {"draft": dec.path, "draft_parameters": n_params, "draft_bytes": n_bytes,
             "draft_vocab": heads.cfg.draft_vocab_size or heads.cfg.vocab_size, "medusa_heads": heads.num_heads,
             "tree_nodes": len(tree), "medusa_choices": [list(c) for c in tree],
-            "draft_training": training_summary(ecfg.medusa_path)}
+            "draft_training": training_summary(dec.path)}
     return Drafting(MedusaProposer(heads, tree), info, max_depth=heads.num_heads)
 
 
@@ -78,7 +102,7 @@ def export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     from specdistill.export.medusa import export_medusa
     from specdistill.models.medusa import load_medusa
 
-    export_medusa(load_medusa(ecfg.medusa_path), out, target_dir)
+    export_medusa(load_medusa(trained_folder(ecfg, "medusa", "export")), out, target_dir)
 
 
 def max_k(draft_dir: str) -> int:
@@ -98,8 +122,8 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
     from specdistill.decoding.medusa import MedusaProposer
     from specdistill.models.medusa import load_medusa
 
-    heads = load_medusa(scfg.medusa_path, dtype=target.model.dtype, target_fingerprint=target.fingerprint,
-                        target=target.model).to(target.device)
+    heads = load_medusa(trained_folder(scfg, "medusa", "serve"), dtype=target.model.dtype,
+                        target_fingerprint=target.fingerprint, target=target.model).to(target.device)
     return MedusaProposer(heads, [(0,) * d for d in range(1, k + 1)])
 
 
@@ -113,7 +137,8 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
 
 
 register(Method("medusa", __doc__, config=MedusaMethodConfig, build=build,
-                label=lambda mcfg, size: f"k{mcfg.num_heads}", reads_hidden=True, draft=drafting,
-                sampled_chain=lambda ecfg: None,  # its tree is deterministic
+                label=lambda mcfg, size: f"k{mcfg.num_heads}", reads_hidden=True, decode=MedusaDecode,
+                draft=drafting,
+                sampled_chain=lambda ecfg, dec: None,  # its tree is deterministic
                 export=export, engine=engine, max_k=max_k, ours=ours,
                 describe=describe, describe_training=describe_training))

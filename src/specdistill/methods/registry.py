@@ -62,15 +62,18 @@ class Method:
     reads_hidden: bool = False
     precomputed: bool = False
     draft_size: type | None = None  # the dataclass of `methods.<m>.draft` (conf/draft/), for a method sized there
-    check: Callable[[Any], None] | None = None  # the method's own checks of its config, before the target loads
-    check_eval: Callable[[Any], None] | None = None  # its checks of the eval section, at the evaluate stage's start
-    # evaluate: (the eval section, the target, its own settings) -> Drafting. Own settings: a method that trains
-    # nothing keeps them in `methods.<m>`, parsed by its `config` (`own_settings`); None for the others
+    check: Callable[[Any], None] | None = None  # its own checks of its training config, before the target loads
+    # how it drafts at evaluation: the dataclass of its `decode.<m>` section (conf/decode/<m>.yaml; its trained
+    # folder, its tree), parsed with an item's keys over it by `decode_settings`
+    decode: type | None = None
+    # evaluate: (the eval section, the target, its decode settings) -> Drafting
     draft: Callable[[Any, Any, Any], Drafting] | None = None
     # evaluate's lookup branch (a union of deterministic trees): None when the method takes no branch; else
-    # ecfg -> the setting that makes its draft deterministic when it would sample a chain, or None when it is
-    sampled_chain: Callable[[Any], str | None] | None = None
-    online: Callable[[Any, Any, str], OnlineStudent] | None = None
+    # (the eval section, its decode settings) -> the setting that makes its draft deterministic when it would
+    # sample a chain, or None when it is
+    sampled_chain: Callable[[Any, Any], str | None] | None = None
+    # online: (the online section, the target, the offline draft's folder, its decode settings) -> OnlineStudent
+    online: Callable[[Any, Any, str, Any], OnlineStudent] | None = None
     online_teacher: str = "live"  # stored: the student learns from the target's stored top-k at judged positions
     export: Callable[..., None] | None = None
     engine: Callable[[Any, int, str | None], dict[str, Any]] | None = None
@@ -114,19 +117,30 @@ def describe_training(settings: dict[str, Any]) -> tuple[str, str]:
     return method.describe_training(settings)
 
 
-def own_settings(cfg: dict[str, Any], name: str) -> Any:
-    """The settings of a method that trains nothing (no `build`): its `methods.<name>` section as its `config`
-    dataclass, checked like any section. None for a method that trains (its section is the train stage's)."""
+def decode_settings(cfg: dict[str, Any], name: str, over: dict[str, Any] | None = None) -> Any:
+    """How method `name` drafts: its `decode.<name>` section with `over` (an evaluate item's or the online
+    stage's `decode` keys) set over it, as its `decode` dataclass, checked like any section (a wrong key or type
+    is named). None for a method with no decode settings. A method without a section (a config built by hand)
+    takes the dataclass's defaults, which tests/test_config_defaults.py proves are conf/decode/<name>.yaml's."""
     from specdistill.config import section
 
     method = REGISTRY[name]
-    if method.config is None or method.build is not None:
+    if method.decode is None:
+        if over:
+            raise ConfigError(f"decode keys {sorted(over)} were set for method={name}, which has no decode settings")
         return None
-    values = (cfg.get("methods") or {}).get(name)
-    if values is None:
-        raise ConfigError(f"method={name} reads its settings from methods.{name}: add conf/methods/{name}.yaml to "
-                          "conf/config.yaml's defaults (`- methods@methods.{name}: {name}`)")
-    return section(method.config, dict(values), f"methods.{name}")
+    values = (cfg.get("decode") or {}).get(name) or {}
+    return section(method.decode, {**values, **(over or {})}, f"decode.{name}")
+
+
+def trained_folder(stage_cfg: Any, name: str, where: str) -> str:
+    """The trained folder of method `name` that a stage's `models` map names (export: what it exports; serve: what
+    our decoder runs beside the engine)."""
+    folder = (getattr(stage_cfg, "models", None) or {}).get(name)
+    if not folder:
+        raise ConfigError(f"{where}.models.{name} is not set: give the folder train@{name} writes "
+                          f"(e.g. {where}.models.{name}=models/{name})")
+    return str(folder)
 
 
 def get(name: str, capability: str, key: str = "method") -> Method:

@@ -34,7 +34,8 @@ END = -1  # between two answers in the index: no token equals it, so no match ru
 
 @dataclass
 class SuffixConfig:
-    name: str = "suffix"
+    """decode.suffix (conf/decode/suffix.yaml)."""
+
     corpus: str | None = None  # a generate stage's folder (its <split>/shard-* answers are indexed); null: none,
     # only the request's own context (prompt lookup with frequency-ranked trees)
     corpus_split: str = "train"
@@ -179,8 +180,8 @@ def load_answers(folder: Path, split: str) -> list[list[int]]:
 
     shards = sorted(p for p in (folder / split).glob("shard-*") if p.is_dir())
     if not shards:
-        raise ConfigError(f"methods.suffix.corpus={folder}: no {split}/shard-* there; run the generate stage "
-                          "(dvc repro generate) or set methods.suffix.corpus=null (the request's own context only)")
+        raise ConfigError(f"decode.suffix.corpus={folder}: no {split}/shard-* there; run the generate stage "
+                          "(dvc repro generate) or set decode.suffix.corpus=null (the request's own context only)")
     answers = []
     for shard in shards:
         ds = load_split(shard)
@@ -189,8 +190,7 @@ def load_answers(folder: Path, split: str) -> list[list[int]]:
     return answers
 
 
-def drafting(ecfg: Any, target: Any, own: SuffixConfig | None = None) -> Drafting:
-    scfg = own or SuffixConfig()
+def drafting(ecfg: Any, target: Any, scfg: SuffixConfig) -> Drafting:
     index = None
     if scfg.corpus:
         answers = load_answers(Path(scfg.corpus), scfg.corpus_split)
@@ -209,4 +209,4 @@ def describe(s: dict[str, Any]) -> tuple[str, str]:
                                + f", trees of {own.get('max_spec_tokens', '?')} nodes")
 
 
-register(Method("suffix", __doc__, config=SuffixConfig, draft=drafting, describe=describe))
+register(Method("suffix", __doc__, decode=SuffixConfig, draft=drafting, describe=describe))

@@ -17,7 +17,7 @@ class OnlineConfig:
     max_new_tokens: int = 48
     temperature: float = 0.0
     k: int = 2  # draft chain length (method=draft)
-    eagle_tree: dict = field(default_factory=lambda: {"shape": "chain", "k": 3})
+    decode: dict = field(default_factory=dict)  # method -> keys over its decode.<method> while serving
     update_every: int = 8  # requests between updates ...
     min_rejected: int = 0  # ... or as soon as the buffer holds this many rejected positions (0: off)
     steps: int = 4  # optimizer steps per update

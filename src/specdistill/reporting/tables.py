@@ -53,9 +53,10 @@ def lookup_branch(settings: dict[str, Any]) -> str:
     on = settings.get("lookup_branch", settings.get("eagle_lookup"))
     if not on:
         return ""
-    branches = settings.get("lookup_branches", 1)  # absent in metrics written before the lookup tree: one chain
-    return f" + lookup chain K={settings.get('lookup_k')}" if branches == 1 else \
-        f" + lookup tree of {branches} chains, K={settings.get('lookup_k')}"
+    # decode.lookup's settings; records written before it carry eval.lookup_* (and none before the lookup tree)
+    lookup = settings.get("lookup") or {"k": settings.get("lookup_k"), "branches": settings.get("lookup_branches", 1)}
+    branches, k = lookup.get("branches", 1), lookup.get("k")
+    return f" + lookup chain K={k}" if branches == 1 else f" + lookup tree of {branches} chains, K={k}"
 
 
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:

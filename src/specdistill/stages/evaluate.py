@@ -29,6 +29,7 @@ from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class EvalConfig:
     method: str = "draft"  # draft: a separate draft LM | medusa: Medusa heads | eagle: an EAGLE head | lookup
@@ -45,70 +46,36 @@ class EvalConfig:
     k: int = 2  # draft chain length
     tree: list[int] | None = None  # branching per depth for a top-k draft tree instead of a chain
     depth: int | str | None = None  # a cap on the draft's depth | "auto": chosen from measured costs (autotune.py)
-    draft_path: str | None = None  # a draft folder (train@draft writes models/draft); null: untrained
-    # (the target's first `draft_layers` layers)
-    draft_layers: int = 4
     hf_baselines: bool = True  # HF generate and HF assisted generation beside ours
-    medusa_path: str | None = None  # train@medusa writes models/medusa (heads + tree.json)
-    medusa_budget: int = 12  # which saved tree (nodes) to verify
-    medusa_choices: list[list[int]] | None = None  # an explicit Medusa tree instead of a saved one
-    eagle_path: str | None = None  # train@eagle writes models/eagle (eagle3), train@eagle1 models/eagle1
-    eagle_tree: dict[str, Any] = field(default_factory=dict)  # decoding/eagle.py EagleTreeConfig
-    dflash_path: str | None = None  # train@dflash writes models/dflash
-    dflash_k: int | None = None  # tokens the block drafts (null: all block_size - 1)
-    dflash_branching: list[int] | None = None  # a tree: the top-b tokens of each slot, b per depth (null: a chain)
     # the method's draft (draft, medusa or eagle) and a prompt-lookup chain verified as one tree
     # (decoding/union.py): lookup copies the spans an answer repeats from its prompt or earlier turn, where a
     # small draft is weak (evaluate@eagle_lookup)
     lookup_branch: bool = False
-    lookup_k: int = 8  # prompt lookup (method=lookup, the draft method's lookup row, lookup_branch)
-    lookup_max_ngram: int = 3
-    lookup_min_ngram: int = 1
-    # sibling chains in the lookup tree: the latest match of the longest n-gram, then older matches and shorter
-    # n-grams that start with another token (proposers.py); 1 = the single chain of prompt-lookup decoding
-    lookup_branches: int = 1
+    decode: dict[str, Any] = field(default_factory=dict)  # an item's keys over decode.<method> (conf/decode/)
     capacity: int = 4096  # KV cache tokens per generation
     seed: int = 0
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "temperatures": "[0, 2]", "top_p": "(0, 1]",
-        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "depth": "[0, 64]", "draft_layers": "[1, inf)",
-        "medusa_budget": "[1, inf)",
-        "lookup_k": "[1, 64]", "lookup_max_ngram": "[1, inf)", "lookup_min_ngram": "[1, inf)",
-        "lookup_branches": "[1, 64]", "capacity": "[64, inf)", "dflash_k": "[1, 64]",
-        "dflash_branching": "[1, 64]"}
+        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "depth": "[0, 64]", "capacity": "[64, inf)"}
 
     def __post_init__(self) -> None:
-        method = methods.get(self.method, "evaluate", "eval.method")
+        methods.get(self.method, "evaluate", "eval.method")
         if self.split not in SPLITS:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
         if isinstance(self.depth, str) and self.depth != "auto":
             raise ConfigError(f"eval.depth={self.depth!r}: a depth (0 = plain AR), auto, or null (the method's own)")
-        if method.check_eval is not None:  # the method's own keys (a bad EAGLE tree), before the target loads
-            method.check_eval(self)
-        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram or self.lookup_k < 1 or self.lookup_branches < 1:
-            raise ConfigError(f"eval.lookup_*: need 1 <= lookup_min_ngram ({self.lookup_min_ngram}) <= "
-                              f"lookup_max_ngram ({self.lookup_max_ngram}), lookup_k >= 1 ({self.lookup_k}) "
-                              f"and lookup_branches >= 1 ({self.lookup_branches})")
-        if self.lookup_branch:
-            if method.sampled_chain is None:
-                raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: "
-                                  "set eval.method to one of "
-                                  f"{[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"
-                                  f", or eval.lookup_branch=false (method={self.method} is the chain alone)")
-            fix = method.sampled_chain(self)  # a chain sampled at T > 0 cannot merge with a deterministic tree
-            if fix and any(t > 0 for t in self.temperatures):
-                raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but method={self.method} "
-                                  f"drafts a chain by sampling at temperature > 0: use {fix}, "
-                                  "or eval.temperatures=[0.0]")
 
 
-LOOKUP = "lookup"  # the registered method eval.lookup_* configure (its row and branch beside any draft)
+LOOKUP = "lookup"  # the registered method decode.lookup configures: its row and branch beside any draft
 PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ecfg = section(EvalConfig, eval_item(cfg), "eval")
-    own = methods.own_settings(cfg, ecfg.method)  # a model-free method's own section, checked before the target loads
+    # how the method drafts and how prompt lookup does (its row, its branch): checked before the target loads
+    dec = methods.decode_settings(cfg, ecfg.method, ecfg.decode)
+    lookup_dec = methods.decode_settings(cfg, LOOKUP)
+    check_branch(ecfg, dec)
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
     metrics_file = Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"
@@ -127,16 +94,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     stops = target.stop_ids
     encode = chat_encoder(tok)
     # the method's own proposer (missing heads or trees fail here, before any decoding)
-    drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, own)
-    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, ecfg.lookup_k, drafting.max_depth)
+    drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
+    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, lookup_dec.k, drafting.max_depth)
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
     # prompt lookup's own drafting: the chain eval.lookup_branch adds and the row a draft may report beside it
-    lookup = methods.get(LOOKUP, "evaluate").draft(ecfg, target, None).proposer
+    lookup = methods.get(LOOKUP, "evaluate").draft(ecfg, target, lookup_dec).proposer
     spec = drafting.proposer
     if ecfg.lookup_branch and drafting.lookup_branch:  # the draft and a prompt-lookup chain as one tree
         spec = UnionProposer(spec, lookup)
-    auto = auto_depth(ecfg, model, spec, max(drafting.max_depth, ecfg.lookup_k if ecfg.lookup_branch else 0),
+    auto = auto_depth(ecfg, model, spec, max(drafting.max_depth, lookup_dec.k if ecfg.lookup_branch else 0),
                       [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot], stops) if pilot else None
     depth = auto["depth"] if auto else ecfg.depth
     if depth is not None:
@@ -156,7 +123,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     group = cfg.get("experiment_name", "default")
     if auto:
         draft_info = {**draft_info, "auto_depth": auto}
-    settings = {"method": ecfg.method, **asdict(ecfg), **draft_info, "chain_or_tree": "tree" if ecfg.tree else "chain",
+    settings = {"method": ecfg.method, **asdict(ecfg), "decode": asdict(dec) if dec is not None else {},
+                "lookup": asdict(lookup_dec), **draft_info, "chain_or_tree": "tree" if ecfg.tree else "chain",
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
     with wandb_run(cfg.get("logger"), job_type="evaluate", name=f"evaluate@{name}", group=group, config=cfg) as wb:
@@ -174,6 +142,21 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                      f", {spec['tokens_per_s'] / m['hf_assisted']['tokens_per_s']:.2f}x HF assisted"
                      if "hf_assisted" in m else "")
     return metrics
+
+
+def check_branch(ecfg: EvalConfig, dec: Any) -> None:
+    """eval.lookup_branch: the method must take a branch, and draft deterministically where it samples."""
+    if not ecfg.lookup_branch:
+        return
+    method = methods.get(ecfg.method, "evaluate", "eval.method")
+    if method.sampled_chain is None:
+        raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: set eval.method to one "
+                          f"of {[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"
+                          f", or eval.lookup_branch=false (method={ecfg.method} is the chain alone)")
+    fix = method.sampled_chain(ecfg, dec)  # a chain sampled at T > 0 cannot merge with a deterministic tree
+    if fix and any(t > 0 for t in ecfg.temperatures):
+        raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but method={ecfg.method} "
+                          f"drafts a chain by sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
 
 
 def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:

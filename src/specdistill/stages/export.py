@@ -33,10 +33,7 @@ class ExportConfig:
     method: str
     dir: str
     dtype: str | None
-    eagle_path: str
-    draft_path: str
-    medusa_path: str
-    dflash_path: str
+    models: dict[str, str]  # method -> the trained folder its export reads (conf/export/default.yaml)
     num_speculative_tokens: int
     RANGES: ClassVar[dict[str, str]] = {"num_speculative_tokens": "[1, 16]"}  # checked by `section`
 

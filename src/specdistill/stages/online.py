@@ -53,10 +53,10 @@ def request_prompts(prompts_dir: Path, scenario: str, n: int) -> list[str]:
     return list(rows.select(range(n))["prompt"])
 
 
-def build_student(ocfg: OnlineConfig, target: Any, path: str) -> tuple[Any, Any, Any, Any, Any]:
+def build_student(ocfg: OnlineConfig, target: Any, path: str, dec: Any) -> tuple[Any, Any, Any, Any, Any]:
     """(Lightning module with the float32 student, proposer over a serving copy, deploy(), save(dir, requests),
     replay(loss): a live-teacher module sharing the student for offline replay, or None)."""
-    student = methods.get(ocfg.method, "online", "online.method").online(ocfg, target, path)
+    student = methods.get(ocfg.method, "online", "online.method").online(ocfg, target, path, dec)
 
     def deploy() -> None:  # the float32 student into the serving copy (cast to the target's dtype)
         student.serving.load_state_dict(student.student.state_dict())
@@ -89,6 +89,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     except LossError as e:
         raise ConfigError(f"online.loss: {e}") from e
     method = methods.get(ocfg.method, "online", "online.method")
+    dec = methods.decode_settings(cfg, ocfg.method, (ocfg.decode or {}).get(ocfg.method))  # checked before any load
     if method.online_teacher == "stored" and ocfg.loss not in STORED_TEACHER_LOSSES:
         raise ConfigError(f"online.loss={ocfg.loss}: online.method={ocfg.method} learns from the target's stored "
                           f"top-k at the judged positions; use one of {STORED_TEACHER_LOSSES}")
@@ -117,7 +118,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         for prompt in tqdm(requests, desc=label, unit="req", dynamic_ncols=True):
             distiller.serve(prompt)
 
-    module, proposer, deploy, save, replay = build_student(ocfg, target, path)
+    module, proposer, deploy, save, replay = build_student(ocfg, target, path, dec)
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
     frozen = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=False)
     serve_all(frozen, stream + held_out, "frozen draft")

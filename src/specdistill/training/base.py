@@ -13,7 +13,6 @@ optimizer, the checkpoint (270 MB of weights the target folder already has) or D
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,15 +24,6 @@ from specdistill.training.losses import Divergence, Teacher
 from specdistill.training.metrics import AcceptanceMetric
 
 TEACHERS = ("live", "stored", "precomputed")  # precomputed: the features stage's store (EAGLE)
-
-
-@dataclass(kw_only=True)
-class MethodConfigBase:
-    """The keys every `methods.<m>` section has; a method's config adds its own (keyword-only, so a
-    subclass may add fields without defaults' order mattering)."""
-
-    init_from: str | None = None  # a saved draft/heads folder to start from (continue, or validate with max_steps=0)
-    trainer: dict[str, Any] = field(default_factory=dict)  # over the `trainer` section for this method only
 
 
 def build_optimizer(spec: dict[str, Any], key: str, probe: bool = True) -> Callable[..., Any]:

@@ -17,39 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torchmetrics import MeanMetric
 
 from specdistill.models.dflash import MASK, DFlashDrafter
-from specdistill.training.base import DistillModule, MethodConfigBase, features_and_teacher
+from specdistill.training.base import DistillModule, features_and_teacher
 from specdistill.training.losses import Teacher, dpace_weights
 from specdistill.training.metrics import UnrolledAcceptance, token_acceptance
-
-
-@dataclass
-class DFlashMethodConfig(MethodConfigBase):
-    name: str = "dflash"
-    num_layers: int = 2  # the drafter's layers at the target's width (started from the target's last ones)
-    block_size: int = 8  # slots per block: the last token and block_size - 1 masks (K = block_size - 1)
-    feature_layers: list[int] | None = None  # HiddenTap indices; null: EAGLE-3's [2, L//2, L-3] (one store for both)
-    vocab_size: int | None = 8192  # draft vocabulary (top-N tokens of the generated data); null: the target's
-    mask_token_id: int | None = None  # the id the engine swaps for the mask embedding; null: the tokenizer's bos
-    anchors: int = 32  # random anchors (blocks) per sequence per training step
-    gamma: float = 4.0  # position weights exp(-(j-1)/gamma) (DFlash: 4 for blocks of 8, 7 for 16)
-    step_weights: str = "decay"  # decay: the exponential above | dpace: D-PACE weights per anchor (dpace_alpha)
-    dpace_alpha: float = 0.5
-    teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
-    RANGES: ClassVar[dict[str, str]] = {"num_layers": "[1, 16]", "block_size": "[2, 64]", "feature_layers": "[0, inf)",
-                                        "vocab_size": "[2, inf)", "mask_token_id": "[0, inf)", "anchors": "[1, inf)",
-                                        "gamma": "(0, inf)", "dpace_alpha": "(0, 1]"}
-    STEP_WEIGHTS = ("decay", "dpace")
-
-    def layers(self, num_layers: int) -> list[int]:
-        from specdistill.models.hidden import default_feature_layers
-
-        return list(self.feature_layers or default_feature_layers("eagle3", num_layers))
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:

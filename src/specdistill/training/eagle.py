@@ -23,45 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torchmetrics import MeanMetric
 from transformers import DynamicCache
 
 from specdistill.models.eagle import EagleHead, unit_rms
-from specdistill.models.hidden import default_feature_layers
-from specdistill.training.base import DistillModule, MethodConfigBase, features_and_teacher
+from specdistill.training.base import DistillModule, features_and_teacher
 from specdistill.training.losses import Teacher, dpace_weights
 from specdistill.training.metrics import UnrolledAcceptance, token_acceptance
-
-
-@dataclass
-class EagleMethodConfig(MethodConfigBase):
-    name: str = "eagle"
-    variant: str = "eagle3"  # eagle1 | eagle3
-    feature_layers: list[int] | None = None  # null: eagle1 [L] (the final norm's input); eagle3 [2, L//2, L-3]
-    vocab_size: int | None = 8192  # draft vocabulary (top-N tokens of the generated data); null: the target's
-    ttt_steps: int = 3  # training-time test: steps unrolled on the head's own states (1: EAGLE-1 training)
-    step_decay: float = 0.8  # step i's loss weight decay^i
-    feature_weight: float = 0.0  # eagle1: SmoothL1 on the predicted state (conf/methods/eagle1.yaml: 1.0)
-    ce_weight: float = 1.0  # the token loss's weight (eagle1: through the frozen LM head, 0.1)
-    noise: float = 0.0  # uniform noise in [-noise, noise] on the (unit-RMS) input features while training
-    step_weights: str = "decay"  # decay: step i weighs step_decay^i | dpace: D-PACE weights per anchor (dpace_alpha)
-    dpace_alpha: float = 0.5
-    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per fused target layer before fc (eagle3 only)
-    norm_output: bool = False  # EAGLE-3.1: the next training-time-test step reads the normed output (eagle3 only)
-    # methods.eagle.trainer (MethodConfigBase) matters most here: with precomputed features an EAGLE step costs
-    # about half a live one, so an experiment can give EAGLE more steps in the same time (conf/experiment/)
-    teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
-    RANGES: ClassVar[dict[str, str]] = {"feature_layers": "[0, inf)", "vocab_size": "[2, inf)", "ttt_steps": "[1, 16]",
-                                        "step_decay": "(0, 1]", "feature_weight": "[0, inf)", "ce_weight": "[0, inf)",
-                                        "noise": "[0, inf)", "dpace_alpha": "(0, 1]"}
-    STEP_WEIGHTS = ("decay", "dpace")
-
-    def layers(self, num_layers: int) -> list[int]:
-        """The HiddenTap indices the head reads: feature_layers, or the variant's default for this target."""
-        return list(self.feature_layers or default_feature_layers(self.variant, num_layers))
 
 
 def step_pairs(mask: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:

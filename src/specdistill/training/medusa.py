@@ -16,29 +16,15 @@ accuracies with B nodes should reach (decoding/medusa.py).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from specdistill.models.medusa import MedusaHeads
 from specdistill.models.medusa_tree import expected_accepted, grow_tree
-from specdistill.training.base import DistillModule, MethodConfigBase
+from specdistill.training.base import DistillModule
 from specdistill.training.losses import Teacher
 from specdistill.training.metrics import HeadAccuracy
-
-
-@dataclass
-class MedusaMethodConfig(MethodConfigBase):
-    name: str = "medusa"
-    num_heads: int = 4  # K
-    num_layers: int = 1  # residual blocks per head
-    vocab_size: int | None = 8192  # reduced head over the most frequent tokens (d2t); null: the full vocabulary
-    decay: float = 0.8  # head k's loss weight decay^k
-    max_rank: int = 10  # candidate ranks measured per head (the tree builder's acc[k][i])
-    tree_budgets: list[int] = field(default_factory=lambda: [16, 32, 64])  # trees saved beside the heads
-    RANGES: ClassVar[dict[str, str]] = {"num_heads": "[1, 16]", "num_layers": "[1, inf)", "vocab_size": "[2, inf)",
-                                        "decay": "(0, 1]", "max_rank": "[1, inf)", "tree_budgets": "[1, inf)"}
 
 
 def head_pairs(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
