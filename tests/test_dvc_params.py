@@ -48,8 +48,8 @@ EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluat
     # how a method drafts (conf/decode/) reruns the evaluate items that draft with it, and no training
     ("decode.suffix.max_spec_tokens", {"evaluate@suffix"}),  # a method that trains nothing
     ("decode.medusa.budget", {"evaluate@medusa"}),
-    ("decode.eagle.tree.total_tokens", EAGLE_EVALS),
-    ("decode.draft.layers", {"evaluate@draft", "evaluate@untrained"}),
+    ("decode.eagle.tree.total_tokens", EAGLE_EVALS | {"online@eagle"}),  # online drafts over the same section
+    ("decode.draft.layers", {"evaluate@draft", "evaluate@untrained", "online@draft"}),
     ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
     ("evals.untrained.k", {"evaluate@untrained"}),
 ])

@@ -74,3 +74,17 @@ def test_a_stage_names_each_methods_trained_folder_in_its_models_map():
 def test_decode_keys_for_a_method_without_decode_settings_are_refused():
     with pytest.raises(ConfigError, match=r"decode keys \['k'\] were set for method=ngram"):
         methods.decode_settings({}, "ngram", {"k": 2})
+
+
+def test_an_items_decode_keys_are_set_key_by_key_over_the_methods_section():
+    """A nested key (`tree: {top_k: 2}`) keeps the section's other tree keys; an item's decode keys keep the shared
+    eval section's too."""
+    from specdistill.stages.evaluate import eval_item
+
+    cfg = {"decode": {"eagle": {"path": "models/eagle", "tree": {"shape": "dynamic", "depth": 6, "top_k": 10,
+                                                                   "total_tokens": 60}}}}
+    dec = methods.decode_settings(cfg, "eagle", {"tree": {"top_k": 2, "total_tokens": 20}})
+    assert dec.tree == {"shape": "dynamic", "depth": 6, "top_k": 2, "total_tokens": 20} and dec.path == "models/eagle"
+    item = eval_item({"eval": {"name": "e", "method": "eagle", "decode": {"tree": {"top_k": 2}}},
+                      "evals": {"e": {"method": "eagle", "decode": {"path": "models/eagle31"}}}})
+    assert item["decode"] == {"tree": {"top_k": 2}, "path": "models/eagle31"}

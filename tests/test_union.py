@@ -167,3 +167,15 @@ def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic(
         check("draft", temperatures=[1.0])
     with pytest.raises(ConfigError, match=r"method=dflash drafts a chain by sampling.*decode.dflash.branching"):
         check("dflash", temperatures=[1.0])
+
+
+def test_prompt_lookups_own_item_keys_reach_its_record(tmp_path, tiny_target_dir, monkeypatch):
+    """method=lookup with an item's decode keys: the draft, the positions counted and the record all use them (the
+    record once showed decode.lookup's section, not the item's)."""
+    from specdistill.records import read_record
+    from specdistill.stages import evaluate as evaluate_stage
+    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="lookup", method="lookup",
+                            hf_baselines=False, temperatures=[0.0], decode={"k": 10, "branches": 2})
+    evaluate_stage.run(cfg)
+    settings = read_record(tmp_path / "metrics/lookup.json")["settings"]
+    assert settings["lookup"]["k"] == 10 and settings["lookup"]["branches"] == 2 and settings["decode"]["k"] == 10

@@ -34,6 +34,7 @@ from specdistill.methods.registry import (  # noqa: F401 (the registry's interfa
     describe,
     describe_training,
     get,
+    merged,
     names,
     register,
     trained_folder,

@@ -130,7 +130,16 @@ def decode_settings(cfg: dict[str, Any], name: str, over: dict[str, Any] | None 
             raise ConfigError(f"decode keys {sorted(over)} were set for method={name}, which has no decode settings")
         return None
     values = (cfg.get("decode") or {}).get(name) or {}
-    return section(method.decode, {**values, **(over or {})}, f"decode.{name}")
+    return section(method.decode, merged(values, over or {}), f"decode.{name}")
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` set key by key over `base`, nested sections too (an item's `tree: {top_k: 2}` keeps the tree's
+    other keys)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def trained_folder(stage_cfg: Any, name: str, where: str) -> str:

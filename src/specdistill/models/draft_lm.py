@@ -146,7 +146,8 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
 
     path = Path(path)
     if not (path / "config.json").exists():
-        raise DraftError(f"no draft at {path}: train one first (`dvc repro train@draft`) or fix eval.draft_path")
+        raise DraftError(f"no draft at {path}: train one first (`dvc repro train@draft`) or fix the path the config "
+                         "names (decode.draft.path; export and serve: models.draft)")
     cfg = AutoConfig.from_pretrained(path)
     n = getattr(cfg, "draft_vocab_size", None)
     if not n:

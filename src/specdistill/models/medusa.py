@@ -123,5 +123,5 @@ def load_trees(path: str | Path) -> dict[str, Any]:
     f = Path(path) / TREE_FILE
     if not f.exists():
         raise MedusaError(f"{f} is missing: train@medusa writes the trees beside the heads; "
-                          "or give eval.medusa_choices")
+                          "or give decode.medusa.choices")
     return json.loads(f.read_text())

@@ -51,7 +51,7 @@ class EvalConfig:
     # (decoding/union.py): lookup copies the spans an answer repeats from its prompt or earlier turn, where a
     # small draft is weak (evaluate@eagle_lookup)
     lookup_branch: bool = False
-    decode: dict[str, Any] = field(default_factory=dict)  # an item's keys over decode.<method> (conf/decode/)
+    decode: dict[str, Any] = field(default_factory=dict)  # an item's keys over decode.<method> (evals.<item>.decode)
     capacity: int = 4096  # KV cache tokens per generation
     seed: int = 0
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
@@ -74,7 +74,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ecfg = section(EvalConfig, eval_item(cfg), "eval")
     # how the method drafts and how prompt lookup does (its row, its branch): checked before the target loads
     dec = methods.decode_settings(cfg, ecfg.method, ecfg.decode)
-    lookup_dec = methods.decode_settings(cfg, LOOKUP)
+    lookup_dec = dec if ecfg.method == LOOKUP else methods.decode_settings(cfg, LOOKUP)
     check_branch(ecfg, dec)
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
@@ -169,7 +169,7 @@ def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
         if item[k] != shared[k] and k != "method":
             log.info("evals.%s.%s=%r over eval.%s=%r (set evals.%s.%s to change it)", key, k, item[k], k, shared[k],
                      key, k)
-    return {**shared, **item}
+    return methods.merged(shared, item)  # an item's decode keys over the shared ones, key by key
 
 
 def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, prompts: list[list[int]],
