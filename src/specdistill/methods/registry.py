@@ -135,11 +135,10 @@ def decode_settings(cfg: dict[str, Any], name: str, over: dict[str, Any] | None 
 
 def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """`over` set key by key over `base`, nested sections too (an item's `tree: {top_k: 2}` keeps the tree's
-    other keys)."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    other keys), as Hydra merges configs."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.merge(base, over))
 
 
 def trained_folder(stage_cfg: Any, name: str, where: str) -> str:
