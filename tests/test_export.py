@@ -246,3 +246,16 @@ def test_the_engine_alone_before_and_after_the_k_starts_is_the_baseline():
     assert cell["k1"]["speedup"] == 1.1 and out["baseline_drift"] == ["mtbench|T0.0|c1"]
     steady = summarise(Cfg(), {"ar": run(100), "k1": run(99, 50, 100), "ar_last": run(96)})
     assert steady["baseline_drift"] == [] and steady["results"]["mtbench"]["T0.0"]["c1"]["ar"]["drift"] == 0.0408
+
+
+def test_the_engine_runs_its_core_in_the_workers_process_unless_asked(tmp_path, monkeypatch):
+    """serve.multiprocessing: false (the default) runs vLLM's engine core in the worker's process; true restores
+    vLLM's own layout; a VLLM_ENABLE_V1_MULTIPROCESSING the user set is kept either way."""
+    from specdistill.engine.client import engine_env
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    py = tmp_path / "bin/python"
+    assert engine_env(py)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert engine_env(py, multiprocessing=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert engine_env(py)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"

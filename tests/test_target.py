@@ -74,3 +74,39 @@ def test_real_smollm2_target_generates():
     out = t.forward(ids, hidden_layers=[30, "final"])
     assert out.hidden[30].shape == (1, ids.shape[1], 576)
     assert float(out.hidden[30][0, 0].float().norm()) > 10 * float(out.hidden["final"][0, 0].float().norm())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_dequantised_copy_loads_the_same_target_as_the_gguf(tmp_path, monkeypatch, dtype):
+    """The first load keeps a dequantised copy (models/dequantised.py); a later load reads it, and gets the same
+    weights, config, tokenizer, chat template, stop ids, fingerprint and logits as a load from the GGUF."""
+    from specdistill.models import dequantised
+    from specdistill.models.target import load_target_config, load_tokenizer
+
+    cfg = {"name_or_path": str(ROOT / "data/assets/target"), "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+           "dtype": dtype}
+    monkeypatch.setenv(dequantised.CACHE_ENV, "off")
+    direct = load_target(cfg)
+    monkeypatch.setenv(dequantised.CACHE_ENV, str(tmp_path))
+    gguf = ROOT / "data/assets/target/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert dequantised.cached(gguf, dtype) is None
+    first = load_target(cfg)  # a miss: from the GGUF, and the copy written
+    folder = dequantised.cached(gguf, dtype)
+    assert folder is not None and folder.parent == tmp_path / "targets" and not list(folder.parent.glob(".*"))
+    again = load_target(cfg)  # a hit
+    for t in (first, again):
+        assert t.fingerprint == direct.fingerprint and t.stop_ids == direct.stop_ids and t.dtype == direct.dtype
+        a, b = direct.model.state_dict(), t.model.state_dict()
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert load_target_config(TargetConfig(**cfg)).to_dict() == again.config.to_dict()
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # über 世界"
+    chat = [{"role": "user", "content": text}]
+    for tok in (again.tokenizer, load_tokenizer(TargetConfig(**cfg))):
+        assert tok(text)["input_ids"] == direct.tokenizer(text)["input_ids"]
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            direct.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([direct.tokenizer(text)["input_ids"]])
+    assert torch.equal(direct.forward(ids).logits, again.forward(ids).logits)
+    (folder / "specdistill.json").write_text('{"target_fingerprint": "sha256:other"}')  # not this GGUF's: ignored
+    assert dequantised.cached(gguf, dtype) is None

@@ -52,10 +52,15 @@ def engine_available() -> bool:
     return True
 
 
-def engine_env(python: Path, threads: str | None = None, iomp: bool = True, kv_cache_gib: int = 1) -> dict[str, str]:
+def engine_env(python: Path, threads: str | None = None, iomp: bool = True, kv_cache_gib: int = 1,
+               multiprocessing: bool = False) -> dict[str, str]:
     """The environment the engine runs under on a CPU: its KV-cache size (else it reserves 92% of the RAM), the cores
-    its worker binds (`threads`, e.g. "0-1"; None: vLLM's default), and Intel OpenMP when asked and present."""
+    its worker binds (`threads`, e.g. "0-1"; None: vLLM's default), Intel OpenMP when asked and present, and where
+    its engine core runs: in the worker's process (`multiprocessing=False`), or in a process of its own with the
+    model in a third (vLLM's default for `LLM`), which on 2 cores start 14 s slower and compete for the cores
+    (docs/findings.md, "The engine's core in its own process"). A VLLM_ENABLE_V1_MULTIPROCESSING already set wins."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if multiprocessing else "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -72,8 +77,8 @@ class EngineProcess:
     """One engine worker running a job: its process, its job folder and its log (kept when it fails)."""
 
     def __init__(self, job: dict[str, Any], *, root: str | Path | None = None, threads: str | None = "0-1",
-                 iomp: bool = True, log_path: str | Path | None = None, relay: bool = True,
-                 env: dict[str, str] | None = None):
+                 iomp: bool = True, multiprocessing: bool = False, log_path: str | Path | None = None,
+                 relay: bool = True, env: dict[str, str] | None = None):
         py = engine_python()
         self._tmp = tempfile.TemporaryDirectory(prefix="specdistill-engine-")
         job_file, self.result_file = Path(self._tmp.name) / "job.json", Path(self._tmp.name) / "result.json"
@@ -89,7 +94,7 @@ class EngineProcess:
         # without it everything goes to the file, for workers that run side by side
         self.proc = subprocess.Popen(
             [str(py), str(WORKER), str(job_file), str(self.result_file)], cwd=Path(root or Path.cwd()).resolve(),
-            env={**engine_env(py, threads, iomp), **(env or {})}, stdout=self._log,
+            env={**engine_env(py, threads, iomp, multiprocessing=multiprocessing), **(env or {})}, stdout=self._log,
             stderr=subprocess.PIPE if relay else self._log, text=True)
 
     def wait(self, timeout_s: float) -> dict[str, Any]:
@@ -138,10 +143,11 @@ SKIP_IDLE_DRAFTER = "SPECDISTILL_SKIP_IDLE_DRAFTER"
 
 
 def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: str | None = "0-1", iomp: bool = True,
-               timeout_s: float = 3600, log_path: str | Path | None = None,
+               multiprocessing: bool = False, timeout_s: float = 3600, log_path: str | Path | None = None,
                env: dict[str, str] | None = None) -> dict[str, Any]:
     """Start the engine on `job` (worker.py's format), wait for it, return its result; a clear error on failure."""
-    return EngineProcess(job, root=root, threads=threads, iomp=iomp, log_path=log_path, env=env).wait(timeout_s)
+    return EngineProcess(job, root=root, threads=threads, iomp=iomp, multiprocessing=multiprocessing,
+                         log_path=log_path, env=env).wait(timeout_s)
 
 
 def engine_version() -> str:

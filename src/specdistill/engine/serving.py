@@ -35,6 +35,7 @@ class ServeConfig:
     dtype: str | None
     threads: str | None
     iomp: bool
+    multiprocessing: bool  # vLLM's engine core in a process of its own (vLLM's default) or in the worker's
     max_model_len: int | None
     ngram_max: int
     ngram_min: int

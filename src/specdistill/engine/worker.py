@@ -294,6 +294,8 @@ def feature_shards(llm: Any, job: dict[str, Any]) -> None:
 
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
+    if "features" in job:  # the hidden-states connector's saves hang with the engine core in this process (seen:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # no progress after the first request): its own process
     import torch
     import vllm
     from vllm import LLM

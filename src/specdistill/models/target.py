@@ -16,6 +16,7 @@ import torch
 
 from specdistill import hardware
 from specdistill.io import sha256_file
+from specdistill.models import dequantised
 from specdistill.models.hidden import HiddenLayerError, HiddenTap
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def _fingerprint(cfg: TargetConfig, config: Any) -> str:
     """What names the target's weights: the GGUF's or the folder's sha256, or the hub commit (from its HF config)."""
     path = Path(cfg.name_or_path)
     if cfg.gguf_file:
-        return "sha256:" + sha256_file(path / cfg.gguf_file)
+        return "sha256:" + dequantised.gguf_sha256(path / cfg.gguf_file)
     if path.is_dir():
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         import hashlib
@@ -142,9 +143,17 @@ def stop_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def _dequantised(cfg: TargetConfig) -> Path | None:
+    """A GGUF target's cached dequantised folder (models/dequantised.py), when one is there."""
+    gguf = Path(cfg.name_or_path) / cfg.gguf_file if cfg.gguf_file else None
+    return dequantised.cached(gguf, cfg.dtype) if gguf is not None and gguf.exists() else None
+
+
 def load_tokenizer(cfg: TargetConfig) -> Any:
     from transformers import AutoTokenizer
 
+    if (folder := _dequantised(cfg)) is not None:
+        return AutoTokenizer.from_pretrained(folder)
     kw: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
     if cfg.gguf_file:
         kw["gguf_file"] = cfg.gguf_file
@@ -161,6 +170,8 @@ def load_target_config(cfg: TargetConfig) -> Any:
     """The target's HF config alone (for its context length and widths), without loading its weights."""
     from transformers import AutoConfig
 
+    if (folder := _dequantised(cfg)) is not None:
+        return AutoConfig.from_pretrained(folder)
     kw: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
     if cfg.gguf_file:
         kw["gguf_file"] = cfg.gguf_file
@@ -194,7 +205,10 @@ def load_target(cfg: TargetConfig | dict[str, Any]) -> Target:
                               "(`dvc repro fetch_assets`) or point target.name_or_path at its folder")
     kw: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision,
                           "dtype": DTYPES[cfg.dtype]}
-    if cfg.gguf_file:
+    source = cfg.name_or_path
+    if (folder := _dequantised(cfg)) is not None:  # the GGUF as an earlier process dequantised it
+        source, kw = str(folder), {"dtype": DTYPES[cfg.dtype]}
+    elif cfg.gguf_file:
         kw["gguf_file"] = cfg.gguf_file
     if cfg.attn_implementation:
         kw["attn_implementation"] = cfg.attn_implementation
@@ -202,13 +216,15 @@ def load_target(cfg: TargetConfig | dict[str, Any]) -> Target:
     # that packed weights compute in float32; the warning does not apply, so it is silenced.
     logging.getLogger("transformers.quantizers.quantizer_gguf").setLevel(logging.ERROR)
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(source, **kw)
     except OSError as e:
         raise TargetError(f"cannot load target '{cfg.name_or_path}': {e}. Without hub access, point "
                           "target.name_or_path at a local folder or use the default GGUF target") from e
     model.to(cfg.device)
     tokenizer = load_tokenizer(cfg)
     target = Target(model, tokenizer, _fingerprint(cfg, model.config))
+    if cfg.gguf_file and folder is None:
+        dequantised.write(model, tokenizer, Path(cfg.name_or_path) / cfg.gguf_file, cfg.dtype, target.fingerprint)
     log.info("target %s loaded (%s, %d layers, vocab %d, %s)", cfg.name_or_path, cfg.dtype,
              target.num_layers, target.vocab_size, target.fingerprint[:20])
     return target

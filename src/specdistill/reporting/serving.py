@@ -26,6 +26,12 @@ def step_cost(row: dict[str, Any]) -> float | None:
     return row["tau"] / row["speedup"] if row.get("tau") and row.get("speedup") else None
 
 
+def engine_layout(settings: dict[str, Any]) -> str:
+    """Where the engine's core ran (records before `serve.multiprocessing` ran it in its own process)."""
+    return ("the engine core in its own process" if settings.get("multiprocessing", True)
+            else "the engine core in the worker's process")
+
+
 def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
     if not serve:
         return []
@@ -33,7 +39,8 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
     lines = ["## In the engine: vLLM serving each draft", "",
              f"vLLM {any_s.get('vllm')} (its own environment, torch {any_s.get('engine_torch')}), "
              f"{any_s.get('engine_dtype')}, threads bound to {any_s.get('threads')}, Intel OpenMP "
-             f"{'preloaded' if any_s.get('iomp') else 'not preloaded'}, on {any_s.get('device')}; "
+             f"{'preloaded' if any_s.get('iomp') else 'not preloaded'}, "
+             f"{engine_layout(any_s)}, on {any_s.get('device')}; "
              f"{any_s.get('num_prompts')} prompts per dataset (first turn), "
              f"max_new_tokens {any_s.get('max_new_tokens')}; "
              "a run at concurrency c sends max(prompts, 2c) requests through a client that keeps c in flight. "

@@ -78,7 +78,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                           f"context {max_model_len} (e.g. {too_long[0]}): lower serve.max_new_tokens or num_prompts")
     stops = sorted(stop_ids(None, tok))
     dtype = scfg.dtype or tcfg.dtype
-    engine_kw = dict(threads=scfg.threads, iomp=scfg.iomp, timeout_s=scfg.timeout_s)
+    engine_kw = dict(threads=scfg.threads, iomp=scfg.iomp, multiprocessing=scfg.multiprocessing,
+                     timeout_s=scfg.timeout_s)
     results: dict[str, dict[str, Any]] = {}
     settings = [("ar", None)] + [(f"k{k}", speculative_config(scfg, k, str(draft_dir))) for k in scfg.k]
     for setting, spec in settings + ([(AR_LAST, None)] if scfg.ar_bracket else []):
