@@ -6,13 +6,17 @@ transition matrix n-1 times (`exact_marginals`). Each proposer drafts from unrel
 most drafts are partly rejected and the residual rule carries the result. Checked for the first drafted
 token (position 1; position 0 comes from the prefill) and the fifth (position 4), at T=1 and at
 T=0.7 / top-p 0.9, with a Pearson chi-square over 20,000 draws from fixed seeds (deterministic: a pass
-stays a pass). The control breaks the rule (no residual after a rejection) and must be caught at 4,000 draws.
+stays a pass), drawn in four seeded chunks over the cores. The control breaks the rule (no residual after a
+rejection) and must be caught at 4,000 draws.
 Run with `-s` to see the p-values.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -36,6 +40,7 @@ from .helpers.stats import chi2_p
 
 PROMPT = [0, 3, 5, 1, 3, 2, 0, 3]  # repeats, so prompt lookup drafts too
 NEW, DRAWS, POSITIONS = 5, 20_000, (1, 4)
+CHUNKS = 4  # the draws in 4 seeded chunks, spread over the cores (the `pool` fixture)
 
 
 def medusa_heads() -> MedusaHeads:
@@ -66,31 +71,53 @@ PROPOSERS = {  # every drafting shape the decoder verifies
 SAMPLINGS = {"T1": SamplingConfig(1.0), "T0.7-p0.9": SamplingConfig(0.7, top_p=0.9)}
 
 
-def p_values(shape: str, sampling: SamplingConfig, seed: int = 1, draws: int = DRAWS) -> dict[int, float]:
-    table, draft = tables()
-    proposer, gen = PROPOSERS[shape](draft), torch.Generator().manual_seed(seed)
-    out = np.array([speculative_generate(FeatureBigramVerifier(table), proposer, PROMPT, NEW, set(),
-                                         sampling, gen).tokens
-                    for _ in range(draws)])
-    exact = exact_marginals(table, table[PROMPT[-1]], sampling, NEW)
+def draws_of(shape: str, sampling: str, seed: int, draws: int, broken: bool = False) -> np.ndarray:
+    """`draws` generations from one seeded generator (in a pool worker: nothing but names crosses the process)."""
+    torch.set_num_threads(1)  # thousands of ops on 8-entry tensors: a thread hand-off costs more than the work
+    if broken:  # the control: no residual after a rejection
+        loop.verify_sampling = functools.partial(verify_sampling, skip_residual=True)
+    try:
+        table, draft = tables()
+        proposer, gen = PROPOSERS[shape](draft), torch.Generator().manual_seed(seed)
+        return np.array([speculative_generate(FeatureBigramVerifier(table), proposer, PROMPT, NEW, set(),
+                                              SAMPLINGS[sampling], gen).tokens
+                         for _ in range(draws)])
+    finally:
+        loop.verify_sampling = verify_sampling
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """One process per core for the whole module: the draws are pure Python-side work, one core each. Chunks are
+    seeded by their index, so the result is the same for any number of cores."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process whose torch has started threads
+    with ProcessPoolExecutor(max_workers=max(1, min(CHUNKS, os.cpu_count() or 1)), mp_context=ctx) as ex:
+        yield ex
+
+
+def p_values(pool, shape: str, sampling: str, seed: int = 1, draws: int = DRAWS,
+             broken: bool = False) -> dict[int, float]:
+    sizes = [draws // CHUNKS + (i < draws % CHUNKS) for i in range(CHUNKS)]
+    parts = pool.map(draws_of, [shape] * CHUNKS, [sampling] * CHUNKS, [seed * 1000 + i for i in range(CHUNKS)],
+                     sizes, [broken] * CHUNKS)
+    out = np.concatenate(list(parts))
+    table, _ = tables()
+    exact = exact_marginals(table, table[PROMPT[-1]], SAMPLINGS[sampling], NEW)
     return {pos: chi2_p(out[:, pos], exact[pos]) for pos in POSITIONS}
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("shape", list(PROPOSERS))
-def test_first_and_fifth_token_follow_the_target(shape, sampling):
-    p = p_values(shape, SAMPLINGS[sampling])
+def test_first_and_fifth_token_follow_the_target(pool, shape, sampling):
+    p = p_values(pool, shape, sampling)
     print(f"\nlossless {shape:13s} {sampling:9s} " + "  ".join(f"p(pos {k})={v:.3f}" for k, v in p.items()))
     assert min(p.values()) > 1e-3, p
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("shape", list(PROPOSERS))
-def test_the_suite_catches_a_broken_rule(shape, monkeypatch):
-    monkeypatch.setattr(loop, "verify_sampling", functools.partial(verify_sampling, skip_residual=True))
-    p = p_values(shape, SAMPLINGS["T1"], draws=4_000)  # caught long before 20,000 draws
+def test_the_suite_catches_a_broken_rule(pool, shape):
+    p = p_values(pool, shape, "T1", draws=4_000, broken=True)  # caught long before 20,000 draws
     print(f"\nbroken rule {shape:13s} " + "  ".join(f"p(pos {k})={v:.2e}" for k, v in p.items()))
     assert min(p.values()) < 1e-6, p
