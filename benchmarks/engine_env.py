@@ -53,9 +53,11 @@ def main() -> None:
     ps = prompts(args.prompts, args.target)
     runs = [{"name": "mtbench", "concurrency": args.concurrency, "temperature": 0.0, "max_tokens": args.max_new_tokens,
              "prompts": ps, "ignore_eos": True}]
-    label_spec = "ngram" if args.draft == "ngram" else "eagle"
-    spec = ({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-            if args.draft == "ngram" else {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k})
+    if args.draft == "ngram":
+        label_spec, spec = "ngram", {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3,
+                                     "prompt_lookup_min": 1}
+    else:
+        label_spec, spec = "eagle", {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
     rows, cold = {}, {}
     # vLLM's layout (core in its own process) with each OpenMP / binding choice, then the winners' in one process
     settings = [(iomp, threads, True) for iomp in (False, True) for threads in (None, "0-1")] + [(True, "0-1", False)]

@@ -57,8 +57,9 @@ def engine_env(python: Path, threads: str | None = None, iomp: bool = True, kv_c
     """The environment the engine runs under on a CPU: its KV-cache size (else it reserves 92% of the RAM), the cores
     its worker binds (`threads`, e.g. "0-1"; None: vLLM's default), Intel OpenMP when asked and present, and where
     its engine core runs: in the worker's process (`multiprocessing=False`), or in a process of its own with the
-    model in a third (vLLM's default for `LLM`), which on 2 cores start 14 s slower and compete for the cores
-    (docs/findings.md, "The engine's core in its own process"). A VLLM_ENABLE_V1_MULTIPROCESSING already set wins."""
+    model in a third (vLLM's default for `LLM`): on 2 cores those compete, and a start took 19-22 s against 3-5
+    (docs/findings.md, "The engine's core in its own process or in the worker's"). A VLLM_ENABLE_V1_MULTIPROCESSING
+    already set wins."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if multiprocessing else "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
