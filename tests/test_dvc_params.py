@@ -52,6 +52,8 @@ EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluat
     ("decode.draft.layers", {"evaluate@draft", "evaluate@untrained", "online@draft"}),
     ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
     ("evals.untrained.k", {"evaluate@untrained"}),
+    # a companion's settings: the items that report it beside them or verify it as a branch, and its own
+    ("decode.lookup.k", {"evaluate@lookup", "evaluate@draft", "evaluate@untrained", "evaluate@eagle_lookup"}),
 ])
 def test_a_change_to_one_methods_key_reruns_its_stages_only(changed, only):
     assert rerun_by(changed) == only
@@ -61,8 +63,6 @@ def test_shared_keys_still_rerun_every_stage_that_reads_them():
     trains = {s for s in stage_params() if s.startswith("train@")}
     assert trains <= rerun_by("distill.data.batch_size") and trains <= rerun_by("trainer.max_steps")
     assert {s for s in stage_params() if s.startswith("evaluate@")} == rerun_by("eval.max_new_tokens")
-    # prompt lookup's settings: its row and branch beside any draft, and the positions every item counts
-    assert {s for s in stage_params() if s.startswith("evaluate@")} == rerun_by("decode.lookup.k")
 
 
 def test_no_stage_command_carries_config():
@@ -85,6 +85,9 @@ def test_every_item_names_a_config_section():
         if stage.startswith("evaluate@"):
             item = cfg["evals"][stage.split("@")[1]]
             assert f"decode.{item['method']}" in stage_params()[stage], stage  # the section its method drafts with
+            # and each companion it reports beside or verifies as a branch (dvc.yaml's `also`)
+            for companion in [*item.get("beside", cfg["eval"]["beside"]), item.get("branch", cfg["eval"]["branch"])]:
+                assert companion is None or f"decode.{companion}" in stage_params()[stage], (stage, companion)
 
 
 def test_every_metrics_and_plots_output_is_under_its_experiment():

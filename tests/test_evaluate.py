@@ -107,7 +107,7 @@ def test_evaluate_stage_writes_metrics_and_plots(tmp_path, tiny_target_dir, tiny
            "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
            "decode": {"draft": {"path": None, "layers": 1}},
            "eval": {"method": "draft", "num_prompts": 2, "max_new_tokens": 6, "temperatures": [0.0],
-                    "k": 3, "hf_baselines": True}}
+                    "k": 3, "hf_baselines": True, "beside": ["lookup"]}}  # as evals.draft sets it
     metrics = evaluate_stage.run(cfg)
     saved = read_record(tmp_path / "metrics/draft.json")
     headline = json.loads((tmp_path / "metrics/draft.json").read_text())  # what `dvc metrics show` prints

@@ -111,7 +111,7 @@ def test_report_has_the_medusa_and_eagle_tables(tmp_path, monkeypatch):
                              eagle_tree={"shape": "dynamic", "total_tokens": 8})
     (tmp_path / "metrics/eagle_lookup.json").write_text(json.dumps(union))
     text = render(tmp_path, monkeypatch)
-    assert "eagle3, dynamic tree 8 nodes + lookup chain K=8 (8192 tokens)" in text
+    assert "eagle3, dynamic tree 8 nodes + prompt lookup, K=8 (8192 tokens)" in text
     assert "| medusa | Medusa, 4 heads x 1 block |" in text and "| 1 | x(t+2) | 0.100 | 0.100 | 0.100 |" in text
     # exercise 3 from the measured accuracies: the cartesian 3x3x3 tree (39 tokens) against the 4-node tree
     assert "27 candidate sequences and 39 tree tokens" in text and "the chosen tree spends 4 tokens" in text
@@ -153,15 +153,15 @@ def test_draft_label_names_a_lookup_branch_for_every_method_and_the_key_it_had_b
                                              "eagle_tree": {"shape": "dynamic", "total_tokens": 8}}}
     assert draft_label(eagle)[0] == "eagle3, dynamic tree 8 nodes (8192 tokens)"
     old = {**eagle, "settings": {**eagle["settings"], "eagle_lookup": True}}  # metrics written before the rename
-    assert draft_label(old)[0] == "eagle3, dynamic tree 8 nodes + lookup chain K=8 (8192 tokens)"
+    assert draft_label(old)[0] == "eagle3, dynamic tree 8 nodes + prompt lookup, K=8 (8192 tokens)"
     medusa = {"method": "medusa", "settings": {"medusa_heads": 4, "tree_nodes": 16, "draft_vocab": 8192,
                                                "lookup_branch": True, "lookup_k": 6}}
-    assert draft_label(medusa)[0] == "Medusa 4 heads, 16-node tree + lookup chain K=6 (8192 tokens)"
+    assert draft_label(medusa)[0] == "Medusa 4 heads, 16-node tree + prompt lookup, K=6 (8192 tokens)"
     untrained = {"method": "draft", "settings": {"draft": "target's first 4 layers",
                                                  "lookup_branch": True, "lookup_k": 8}}
-    assert draft_label(untrained) == ("target's first 4 layers + lookup chain K=8", "untrained")
+    assert draft_label(untrained) == ("target's first 4 layers + prompt lookup, K=8", "untrained")
     tree = {**untrained, "settings": {**untrained["settings"], "lookup_branches": 2}}  # eval.lookup_branches=2
-    assert draft_label(tree) == ("target's first 4 layers + lookup tree of 2 chains, K=8", "untrained")
+    assert draft_label(tree) == ("target's first 4 layers + prompt lookup, a tree of 2 chains, K=8", "untrained")
     assert draft_label({"method": "lookup",
                         "settings": {"lookup_branches": 2}})[0] == "prompt lookup, a tree of 2 chains"
     assert draft_label({"method": "lookup", "settings": {}})[0] == "prompt lookup"
@@ -246,7 +246,7 @@ def test_the_summary_keeps_the_best_setting_of_each_method_and_the_engines_deplo
     ours = summary[:summary.index("In the engine")]
     rows = [line for line in ours.splitlines() if line.startswith("| ") and "---" not in line][1:]
     # one row per method, best geomean first; the union is its own method; the slower EAGLE-3 setting is not shown
-    assert [r.split(" | ")[0] for r in rows] == ["| EAGLE-3", "| EAGLE-3 + lookup branch", "| prompt lookup"]
+    assert [r.split(" | ")[0] for r in rows] == ["| EAGLE-3", "| EAGLE-3 + prompt lookup branch", "| prompt lookup"]
     assert "(`eagle_k4`)" in rows[0] and "tau 2.00, 1.90x" in rows[0] and "`eagle`)" not in summary
     # the engine: the deployed schedule's speed-up where one was served, else the best K's
     assert "| eagle | 1.10x deployed | 0.91x at K=3 (none deployed) |" in summary
@@ -312,7 +312,7 @@ def test_each_method_describes_itself_and_eagle31_is_a_family_of_its_own():
     tree = {"shape": "dynamic", "total_tokens": 8}
     assert family({"method": "eagle", "settings": {"eagle_variant": "eagle3.1", "eagle_tree": tree}}) == "EAGLE-3.1"
     assert family({"method": "eagle", "settings": {"eagle_variant": "eagle3", "eagle_tree": tree,
-                                                   "lookup_branch": True}}) == "EAGLE-3 + lookup branch"
+                                                   "lookup_branch": True}}) == "EAGLE-3 + prompt lookup branch"
     assert family({"method": "draft", "settings": {}}) == "separate draft (untrained)"
     head = {"name": "eagle", "variant": "eagle3", "fc_norm": True, "norm_output": True, "ttt_steps": 3}
     assert describe_training({"method": head})[0] == "EAGLE head (eagle3.1, 1 layer, TTT 3)"

@@ -120,14 +120,17 @@ def test_eagle_plus_lookup_sampling_is_lossless(branches):
 def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):
     from specdistill.errors import ConfigError
     from specdistill.stages import evaluate as evaluate_stage
-    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", lookup_branch=True,
+    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", branch="lookup",
                             hf_baselines=False)
     cfg["decode"]["lookup"]["branches"] = 2
     metrics = evaluate_stage.run(cfg)
-    assert metrics["settings"]["lookup_branch"] is True and metrics["settings"]["lookup"]["branches"] == 2
+    assert metrics["settings"]["branch"] == "lookup" and metrics["settings"]["lookup"]["branches"] == 2
+    assert set(metrics["results"]["mtbench"]["T0"]) == {"ar", "spec"}  # a branch is no row of its own
     t0 = greedy_texts(tmp_path / "plots/eagle_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
-    bad = [({"method": "lookup"}, {}, "the chain alone"),
+    bad = [({"method": "lookup"}, {}, "method=lookup takes no branch"),
+           ({"branch": "eagle"}, {}, r"eval.branch: 'eagle' is not a companion: use one of \('lookup', 'suffix'\)"),
+           ({"beside": ["draft"]}, {}, r"eval.beside: 'draft' is not a companion"),
            ({"decode": {"tree": {"shape": "chain"}}}, {}, r"method=eagle drafts a chain by sampling.*shape=dynamic"),
            ({"method": "draft"}, {}, r"method=draft drafts a chain by sampling.*eval.tree"),
            ({}, {"min_ngram": 4}, r"decode.lookup: need 1 <= min_ngram \(4\) <= max_ngram \(3\)"),
@@ -142,11 +145,33 @@ def test_evaluate_stage_runs_a_separate_draft_with_a_lookup_branch(tmp_path, tin
     """The branch is not EAGLE's: a draft LM's top-k tree (here the target's first layers, untrained) merges too."""
     from specdistill.stages import evaluate as evaluate_stage
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="draft_lookup", method="draft", tree=[2, 2],
-                            lookup_branch=True, hf_baselines=False)
+                            branch="lookup", hf_baselines=False)
     metrics = evaluate_stage.run(cfg)
-    assert metrics["settings"]["lookup_branch"] is True and metrics["method"] == "draft"
+    assert metrics["settings"]["branch"] == "lookup" and metrics["method"] == "draft"
     t0 = greedy_texts(tmp_path / "plots/draft_lookup/samples.jsonl")
     assert t0[(1, "spec")] == t0[(1, "ar")] and t0[(2, "spec")] == t0[(2, "ar")]
+
+
+def test_any_companion_is_a_branch_or_a_row_beside(tmp_path, tiny_target_dir, monkeypatch):
+    """Suffix decoding as EAGLE's branch, with prompt lookup and suffix decoding each reported alone beside it: the
+    companions are config, not code (eval.branch, eval.beside); every row writes the target's greedy text."""
+    from specdistill.reporting.summary import family
+    from specdistill.reporting.tables import draft_label, results_table
+    from specdistill.stages import evaluate as evaluate_stage
+    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_suffix", branch="suffix",
+                            beside=["lookup", "suffix"], hf_baselines=False)
+    cfg["decode"]["suffix"] = {"corpus": None, "max_spec_tokens": 4}  # the request's own context
+    metrics = evaluate_stage.run(cfg)
+    s = metrics["settings"]
+    assert s["branch"] == "suffix" and s["suffix"]["max_spec_tokens"] == 4 and s["lookup"]["k"] == 4
+    assert set(metrics["results"]["mtbench"]["T0"]) == {"ar", "spec", "lookup", "suffix"}
+    t0 = greedy_texts(tmp_path / "plots/eagle_suffix/samples.jsonl")
+    assert all(t0[(turn, m)] == t0[(turn, "ar")] for turn in (1, 2) for m in ("spec", "lookup", "suffix"))
+    assert family(metrics) == "EAGLE-3 + suffix decoding branch"
+    assert draft_label(metrics)[0].startswith("eagle3, dynamic tree 5 nodes + suffix decoding, the context alone")
+    table = "\n".join(results_table({"eagle_suffix": metrics}, "mtbench", "T0"))
+    assert "| prompt lookup, K=4 (ours) |" in table
+    assert "| suffix decoding, the context alone, trees of 4 nodes (ours) |" in table
 
 
 def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic():
@@ -155,7 +180,7 @@ def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic(
     from specdistill.stages.evaluate import EvalConfig, check_branch
 
     def check(method: str, decode: dict | None = None, **eval_keys) -> None:
-        check_branch(EvalConfig(method=method, lookup_branch=True, **eval_keys),
+        check_branch(EvalConfig(method=method, branch="lookup", **eval_keys),
                      methods.decode_settings({}, method, decode))
 
     check("draft", temperatures=[0.0])  # a greedy chain

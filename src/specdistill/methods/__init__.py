@@ -11,7 +11,8 @@ method may declare (each optional; a stage refuses a method without its part, li
   stage's store);
 - evaluate: `decode` (its `decode.<m>` dataclass: its trained folder, its tree; a method that trains nothing, like
   suffix decoding, keeps all its settings there) and `draft`, the proposer our decoder verifies, with what the
-  metrics say about it;
+  metrics say about it; `sampled_chain` if it can take a branch, `companion` if it can be one (a deterministic
+  tree from nothing trained, reported beside other methods or merged into their trees);
 - online: `online`, the student that keeps learning while it serves, and its serving copy;
 - export and serve: `export` (an engine-ready folder) and `engine` (vLLM's `speculative_config`), with
   `ours` (our decoder's proposer on the same chain, for the agreement table).
@@ -30,6 +31,7 @@ from specdistill.methods.registry import (  # noqa: F401 (the registry's interfa
     Drafting,
     Method,
     OnlineStudent,
+    companions,
     decode_settings,
     describe,
     describe_training,

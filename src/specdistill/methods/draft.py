@@ -98,7 +98,7 @@ def drafting(ecfg: Any, target: Any, dec: DraftDecode) -> Drafting:
             "draft_training": training_summary(dec.path)}
     proposer = DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree, capacity=ecfg.capacity)
     return Drafting(proposer, info, max_depth=len(ecfg.tree) if ecfg.tree else ecfg.k,
-                    assistant=None if reduced else draft, lookup_row=True)
+                    assistant=None if reduced else draft)
 
 
 def online(ocfg: Any, target: Any, path: str, dec: DraftDecode) -> OnlineStudent:

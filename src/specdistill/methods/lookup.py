@@ -1,9 +1,10 @@
 """Prompt lookup (Saxena, 2023): drafts copied from the context where its last n-gram occurred before; nothing to
-train. `lookup` is ours (evaluate; also a branch beside any draft, decoding/union.py), `ngram` the engine's."""
+train. `lookup` is ours (evaluate; a companion: a row beside any method, or a branch of its tree, decoding/union.py),
+`ngram` the engine's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from specdistill.errors import ConfigError
@@ -34,7 +35,7 @@ def proposer(dec: LookupDecode) -> Any:
 
 
 def drafting(ecfg: Any, target: Any, dec: LookupDecode) -> Drafting:
-    return Drafting(proposer(dec), {}, max_depth=0, lookup_branch=False)
+    return Drafting(proposer(dec), {"lookup": asdict(dec)}, max_depth=dec.k)
 
 
 def engine(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
@@ -49,10 +50,13 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
 
 
 def describe(s: dict[str, Any]) -> tuple[str, str]:
-    branches = (s.get("lookup") or {}).get("branches", s.get("lookup_branches", 1))  # the older records' key
-    return "prompt lookup", "prompt lookup" + (f", a tree of {branches} chains" if branches > 1 else "")
+    # decode.lookup as the run recorded it; records written before it carry eval.lookup_k / eval.lookup_branches
+    own = s.get("lookup") or {"k": s.get("lookup_k"), "branches": s.get("lookup_branches", 1)}
+    branches, k = own.get("branches", 1), own.get("k")
+    return "prompt lookup", ("prompt lookup" + (f", a tree of {branches} chains" if branches > 1 else "")
+                             + (f", K={k}" if k else ""))
 
 
-register(Method("lookup", __doc__, decode=LookupDecode, draft=drafting, describe=describe))
+register(Method("lookup", __doc__, decode=LookupDecode, draft=drafting, describe=describe, companion=True))
 register(Method("ngram", "The engine's prompt lookup (vLLM `method: ngram`), with ours beside it.", engine=engine,
                 ours=ours))

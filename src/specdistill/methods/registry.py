@@ -34,8 +34,6 @@ class Drafting:
     info: dict[str, Any] = field(default_factory=dict)
     max_depth: int = 0
     assistant: Any = None  # an HF model that HF assisted generation can run beside ours (full vocabulary only)
-    lookup_row: bool = False  # also report prompt lookup alone beside it
-    lookup_branch: bool = True  # eval.lookup_branch may add a lookup chain to it (not to lookup itself)
 
 
 @dataclass
@@ -68,10 +66,13 @@ class Method:
     decode: type | None = None
     # evaluate: (the eval section, the target, its decode settings) -> Drafting
     draft: Callable[[Any, Any, Any], Drafting] | None = None
-    # evaluate's lookup branch (a union of deterministic trees): None when the method takes no branch; else
-    # (the eval section, its decode settings) -> the setting that makes its draft deterministic when it would
-    # sample a chain, or None when it is
+    # evaluate's branch (eval.branch: a companion's tree and this method's verified as one, decoding/union.py):
+    # None when the method takes no branch; else (the eval section, its decode settings) -> the setting that makes
+    # its draft deterministic when it would sample a chain, or None when it is
     sampled_chain: Callable[[Any, Any], str | None] | None = None
+    # a companion drafts deterministic trees from nothing trained (prompt lookup, suffix decoding), so evaluate can
+    # report it alone beside any method in the same run (eval.beside) or verify it as a branch of one (eval.branch)
+    companion: bool = False
     # online: (the online section, the target, the offline draft's folder, its decode settings) -> OnlineStudent
     online: Callable[[Any, Any, str, Any], OnlineStudent] | None = None
     online_teacher: str = "live"  # stored: the student learns from the target's stored top-k at judged positions
@@ -99,6 +100,11 @@ def names(capability: str) -> tuple[str, ...]:
     """The registered methods that have `capability` (train, evaluate, online, export, serve)."""
     attr = CAPABILITIES[capability]
     return tuple(n for n, m in REGISTRY.items() if getattr(m, attr) is not None)
+
+
+def companions() -> tuple[str, ...]:
+    """The registered companions: what eval.beside and eval.branch may name."""
+    return tuple(n for n, m in REGISTRY.items() if m.companion and m.draft is not None)
 
 
 def describe(metrics: dict[str, Any]) -> tuple[str, str]:

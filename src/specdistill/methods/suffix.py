@@ -199,7 +199,7 @@ def drafting(ecfg: Any, target: Any, scfg: SuffixConfig) -> Drafting:
                  scfg.corpus_split)
     info = {"suffix": dict(vars(scfg)),
             "corpus_tokens": len(index.order) if index else 0}
-    return Drafting(SuffixProposer(scfg, index), info, max_depth=scfg.max_spec_tokens, lookup_branch=False)
+    return Drafting(SuffixProposer(scfg, index), info, max_depth=scfg.max_spec_tokens)
 
 
 def describe(s: dict[str, Any]) -> tuple[str, str]:
@@ -209,4 +209,4 @@ def describe(s: dict[str, Any]) -> tuple[str, str]:
                                + f", trees of {own.get('max_spec_tokens', '?')} nodes")
 
 
-register(Method("suffix", __doc__, decode=SuffixConfig, draft=drafting, describe=describe))
+register(Method("suffix", __doc__, decode=SuffixConfig, draft=drafting, describe=describe, companion=True))

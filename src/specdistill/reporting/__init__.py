@@ -14,6 +14,12 @@ def settings(all_metrics: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str,
                 yield name, dataset, temp, m
 
 
+def branch_of(settings: dict[str, Any]) -> str | None:
+    """The companion an evaluate run verified as a branch of its method's tree (eval.branch), or None. Records
+    written before eval.branch say `lookup_branch: true` (and, before it served every method, `eagle_lookup`)."""
+    return settings.get("branch") or ("lookup" if settings.get("lookup_branch", settings.get("eagle_lookup")) else None)
+
+
 def alphas(summary: dict[str, Any]) -> list[float]:
     """alpha_pos1, alpha_pos2, ... of one summary, up to the first position never attempted."""
     out = []

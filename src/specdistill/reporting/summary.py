@@ -7,14 +7,15 @@ import statistics
 from typing import Any
 
 from specdistill.methods import describe
+from specdistill.reporting import branch_of
 from specdistill.reporting.tables import draft_label, speedup_cell
 
 
 def family(metrics: dict[str, Any]) -> str:
-    """What a user picks between: the method (and variant, trained or not, as it describes itself) and a lookup
-    branch added."""
-    s = metrics["settings"]
-    return describe(metrics)[0] + (" + lookup branch" if s.get("lookup_branch", s.get("eagle_lookup")) else "")
+    """What a user picks between: the method (and variant, trained or not, as it describes itself) and the
+    companion verified as a branch of its tree."""
+    branch = branch_of(metrics["settings"])
+    return describe(metrics)[0] + (f" + {describe({'method': branch, 'settings': {}})[0]} branch" if branch else "")
 
 
 def geomean_speedup(metrics: dict[str, Any]) -> float:

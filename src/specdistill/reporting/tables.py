@@ -6,10 +6,10 @@ from typing import Any
 
 from specdistill.evaluation.accounting import expected_accepted_length
 from specdistill.methods import REGISTRY, describe
-from specdistill.reporting import alphas, chained_tau, settings
+from specdistill.reporting import alphas, branch_of, chained_tau, settings
 
 ROW_NAMES = {"ar": "AR (ours, K=0)", "hf_generate": "HF generate", "spec": "speculative (ours)",
-             "hf_assisted": "HF assisted (same draft)", "lookup": "prompt lookup (ours)"}
+             "hf_assisted": "HF assisted (same draft)"}  # then the companions reported beside (eval.beside)
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -29,9 +29,10 @@ def speedup_cell(s: dict[str, Any], interval: bool = True) -> str:
 
 def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
     """(the run's draft in words, what it was trained with): the method's own words (its registered `describe`),
-    then what evaluate added to it (a lookup branch, a depth cap) and its vocabulary."""
+    then what evaluate added to it (a companion's branch, a depth cap) and its vocabulary."""
     s = metrics["settings"]
-    words = describe(metrics)[1] + lookup_branch(s) + depth_cap(s)
+    branch = branch_of(s)
+    words = describe(metrics)[1] + (f" + {companion_words(branch, s)}" if branch else "") + depth_cap(s)
     words += f" ({s['draft_vocab']} tokens)" if s.get("draft_vocab") else ""
     trained = s.get("draft_training")
     trains = getattr(REGISTRY.get(metrics["method"]), "build", None) is not None  # prompt lookup has nothing to train
@@ -47,16 +48,9 @@ def depth_cap(settings: dict[str, Any]) -> str:
     return f", depth {settings['depth']}" if settings.get("depth") is not None else ""
 
 
-def lookup_branch(settings: dict[str, Any]) -> str:
-    """' + lookup chain K=..' (or '+ lookup tree of N chains, K=..') for a run verified with a lookup branch
-    (`eagle_lookup`: its name before it served every method, in metrics written then)."""
-    on = settings.get("lookup_branch", settings.get("eagle_lookup"))
-    if not on:
-        return ""
-    # decode.lookup's settings; records written before it carry eval.lookup_* (and none before the lookup tree)
-    lookup = settings.get("lookup") or {"k": settings.get("lookup_k"), "branches": settings.get("lookup_branches", 1)}
-    branches, k = lookup.get("branches", 1), lookup.get("k")
-    return f" + lookup chain K={k}" if branches == 1 else f" + lookup tree of {branches} chains, K={k}"
+def companion_words(name: str, settings: dict[str, Any]) -> str:
+    """A companion (a branch or a row beside the method) in its own words, from the settings the run recorded."""
+    return describe({"method": name, "settings": settings})[1]
 
 
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
@@ -85,11 +79,12 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
         if not m:
             continue
         draft, loss = draft_label(metrics)
-        for key in ("ar", "hf_generate", "spec", "hf_assisted", "lookup"):
+        for key in [*ROW_NAMES, *sorted(set(m) - set(ROW_NAMES))]:
             if key not in m:
                 continue
             s = m[key]
-            label = ROW_NAMES[key] if key != "spec" else f"speculative ({name})"
+            label = (f"speculative ({name})" if key == "spec" else ROW_NAMES.get(key)
+                     or f"{companion_words(key, metrics['settings'])} (ours)")
             vs_hf = (_fmt(s.get("speedup_vs_hf_assisted")) + "x" if key == "spec" and "speedup_vs_hf_assisted" in s
                      else "–")
             lines.append(f"| {name} | {label} | {draft if key in ('spec', 'hf_assisted') else '–'} | "

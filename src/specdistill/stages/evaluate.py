@@ -47,10 +47,12 @@ class EvalConfig:
     tree: list[int] | None = None  # branching per depth for a top-k draft tree instead of a chain
     depth: int | str | None = None  # a cap on the draft's depth | "auto": chosen from measured costs (autotune.py)
     hf_baselines: bool = True  # HF generate and HF assisted generation beside ours
-    # the method's draft (draft, medusa or eagle) and a prompt-lookup chain verified as one tree
-    # (decoding/union.py): lookup copies the spans an answer repeats from its prompt or earlier turn, where a
-    # small draft is weak (evaluate@eagle_lookup)
-    lookup_branch: bool = False
+    # companions (methods.companions(): prompt lookup, suffix decoding; nothing trained, deterministic trees):
+    # beside: each reported alone in the same run, a baseline on the same prompts (evaluate@draft: lookup);
+    # branch: one verified with the method's draft as one tree (decoding/union.py): lookup copies the spans an answer
+    # repeats from its prompt or earlier turn, where a small draft is weak (evaluate@eagle_lookup)
+    beside: list[str] = field(default_factory=list)
+    branch: str | None = None
     decode: dict[str, Any] = field(default_factory=dict)  # an item's keys over decode.<method> (evals.<item>.decode)
     capacity: int = 4096  # KV cache tokens per generation
     seed: int = 0
@@ -60,21 +62,25 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         methods.get(self.method, "evaluate", "eval.method")
+        for key, name in [*(("eval.beside", n) for n in self.beside), ("eval.branch", self.branch)]:
+            if name is not None and name not in methods.companions():
+                raise ConfigError(f"{key}: {name!r} is not a companion: use one of {methods.companions()} (a method "
+                                  "that drafts deterministic trees from nothing trained)")
         if self.split not in SPLITS:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
         if isinstance(self.depth, str) and self.depth != "auto":
             raise ConfigError(f"eval.depth={self.depth!r}: a depth (0 = plain AR), auto, or null (the method's own)")
 
 
-LOOKUP = "lookup"  # the registered method decode.lookup configures: its row and branch beside any draft
 PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ecfg = section(EvalConfig, eval_item(cfg), "eval")
-    # how the method drafts and how prompt lookup does (its row, its branch): checked before the target loads
+    # how the method drafts and how its companions do (their rows, its branch): checked before the target loads
     dec = methods.decode_settings(cfg, ecfg.method, ecfg.decode)
-    lookup_dec = dec if ecfg.method == LOOKUP else methods.decode_settings(cfg, LOOKUP)
+    named = dict.fromkeys([*ecfg.beside, *([ecfg.branch] if ecfg.branch else [])])
+    companions = {n: methods.decode_settings(cfg, n) for n in named}
     check_branch(ecfg, dec)
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
@@ -93,18 +99,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tok, model = target.tokenizer, target.model
     stops = target.stop_ids
     encode = chat_encoder(tok)
-    # the method's own proposer (missing heads or trees fail here, before any decoding)
+    # the method's own proposer and its companions' (missing heads, trees or corpora fail here, before any decoding)
     drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
-    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, lookup_dec.k, drafting.max_depth)
+    drafts = {n: methods.get(n, "evaluate").draft(ecfg, target, d) for n, d in companions.items()}
+    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, drafting.max_depth, *(d.max_depth for d in drafts.values()))
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
-    # prompt lookup's own drafting: the chain eval.lookup_branch adds and the row a draft may report beside it
-    lookup = methods.get(LOOKUP, "evaluate").draft(ecfg, target, lookup_dec).proposer
     spec = drafting.proposer
-    if ecfg.lookup_branch and drafting.lookup_branch:  # the draft and a prompt-lookup chain as one tree
-        spec = UnionProposer(spec, lookup)
-    auto = auto_depth(ecfg, model, spec, max(drafting.max_depth, lookup_dec.k if ecfg.lookup_branch else 0),
-                      [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot], stops) if pilot else None
+    if ecfg.branch:  # the draft and the companion's tree verified as one
+        spec = UnionProposer(spec, drafts[ecfg.branch].proposer)
+    deepest = max(drafting.max_depth, drafts[ecfg.branch].max_depth if ecfg.branch else 0)
+    auto = auto_depth(ecfg, model, spec, deepest, [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot],
+                      stops) if pilot else None
     depth = auto["depth"] if auto else ecfg.depth
     if depth is not None:
         spec = DepthCapped(spec, depth)
@@ -116,15 +122,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if ecfg.hf_baselines and drafting.assistant is not None:  # HF assisted generation needs the full vocabulary
         rows.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, pad, assistant=drafting.assistant,
                               k=ecfg.k))
-    if drafting.lookup_row:
-        rows.append(ours("lookup", lookup))
+    rows += [ours(n, drafts[n].proposer) for n in ecfg.beside]  # named after the method: the report describes them
     draft_info = drafting.info
 
     group = cfg.get("experiment_name", "default")
     if auto:
         draft_info = {**draft_info, "auto_depth": auto}
     settings = {"method": ecfg.method, **asdict(ecfg), "decode": asdict(dec) if dec is not None else {},
-                "lookup": asdict(lookup_dec), **draft_info, "chain_or_tree": "tree" if ecfg.tree else "chain",
+                **{n: asdict(d) for n, d in companions.items()}, **draft_info,
+                "chain_or_tree": "tree" if ecfg.tree else "chain",
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
     with wandb_run(cfg.get("logger"), job_type="evaluate", name=f"evaluate@{name}", group=group, config=cfg) as wb:
@@ -145,17 +151,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_branch(ecfg: EvalConfig, dec: Any) -> None:
-    """eval.lookup_branch: the method must take a branch, and draft deterministically where it samples."""
-    if not ecfg.lookup_branch:
+    """eval.branch: the method must take a branch, and draft deterministically where it samples."""
+    if not ecfg.branch:
         return
     method = methods.get(ecfg.method, "evaluate", "eval.method")
     if method.sampled_chain is None:
-        raise ConfigError("eval.lookup_branch=true adds a lookup chain to the method's draft: set eval.method to one "
-                          f"of {[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"
-                          f", or eval.lookup_branch=false (method={ecfg.method} is the chain alone)")
+        raise ConfigError(f"eval.branch={ecfg.branch} adds a companion's tree to the method's draft: set eval.method "
+                          f"to one of {[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"
+                          f", or eval.branch=null (method={ecfg.method} takes no branch)")
     fix = method.sampled_chain(ecfg, dec)  # a chain sampled at T > 0 cannot merge with a deterministic tree
     if fix and any(t > 0 for t in ecfg.temperatures):
-        raise ConfigError(f"eval.lookup_branch=true merges deterministic trees, but method={ecfg.method} "
+        raise ConfigError(f"eval.branch={ecfg.branch} merges deterministic trees, but method={ecfg.method} "
                           f"drafts a chain by sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
 
 
