@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from specdistill.methods import describe
+
 
 def settings(all_metrics: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
     """(evaluated method, dataset, temperature, that setting's per-method summaries), in a stable order."""
@@ -18,6 +20,12 @@ def branch_of(settings: dict[str, Any]) -> str | None:
     """The companion an evaluate run verified as a branch of its method's tree (eval.branch), or None. Records
     written before eval.branch say `lookup_branch: true` (and, before it served every method, `eagle_lookup`)."""
     return settings.get("branch") or ("lookup" if settings.get("lookup_branch", settings.get("eagle_lookup")) else None)
+
+
+def companion(name: str, settings: dict[str, Any]) -> tuple[str, str]:
+    """(family, words) of a companion (a branch or a row beside the method), in its own `describe`'s words, from the
+    settings the run recorded."""
+    return describe({"method": name, "settings": settings})
 
 
 def alphas(summary: dict[str, Any]) -> list[float]:

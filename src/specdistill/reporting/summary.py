@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from specdistill.methods import describe
-from specdistill.reporting import branch_of
+from specdistill.reporting import branch_of, companion
 from specdistill.reporting.tables import draft_label, speedup_cell
 
 
@@ -15,7 +15,7 @@ def family(metrics: dict[str, Any]) -> str:
     """What a user picks between: the method (and variant, trained or not, as it describes itself) and the
     companion verified as a branch of its tree."""
     branch = branch_of(metrics["settings"])
-    return describe(metrics)[0] + (f" + {describe({'method': branch, 'settings': {}})[0]} branch" if branch else "")
+    return describe(metrics)[0] + (f" + {companion(branch, {})[0]} branch" if branch else "")
 
 
 def geomean_speedup(metrics: dict[str, Any]) -> float:

@@ -6,7 +6,7 @@ from typing import Any
 
 from specdistill.evaluation.accounting import expected_accepted_length
 from specdistill.methods import REGISTRY, describe
-from specdistill.reporting import alphas, branch_of, chained_tau, settings
+from specdistill.reporting import alphas, branch_of, chained_tau, companion, settings
 
 ROW_NAMES = {"ar": "AR (ours, K=0)", "hf_generate": "HF generate", "spec": "speculative (ours)",
              "hf_assisted": "HF assisted (same draft)"}  # then the companions reported beside (eval.beside)
@@ -32,7 +32,7 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
     then what evaluate added to it (a companion's branch, a depth cap) and its vocabulary."""
     s = metrics["settings"]
     branch = branch_of(s)
-    words = describe(metrics)[1] + (f" + {companion_words(branch, s)}" if branch else "") + depth_cap(s)
+    words = describe(metrics)[1] + (f" + {companion(branch, s)[1]}" if branch else "") + depth_cap(s)
     words += f" ({s['draft_vocab']} tokens)" if s.get("draft_vocab") else ""
     trained = s.get("draft_training")
     trains = getattr(REGISTRY.get(metrics["method"]), "build", None) is not None  # prompt lookup has nothing to train
@@ -46,11 +46,6 @@ def depth_cap(settings: dict[str, Any]) -> str:
     if auto:
         return f", depth {auto['depth']} (auto)"
     return f", depth {settings['depth']}" if settings.get("depth") is not None else ""
-
-
-def companion_words(name: str, settings: dict[str, Any]) -> str:
-    """A companion (a branch or a row beside the method) in its own words, from the settings the run recorded."""
-    return describe({"method": name, "settings": settings})[1]
 
 
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
@@ -84,7 +79,7 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
                 continue
             s = m[key]
             label = (f"speculative ({name})" if key == "spec" else ROW_NAMES.get(key)
-                     or f"{companion_words(key, metrics['settings'])} (ours)")
+                     or f"{companion(key, metrics['settings'])[1]} (ours)")
             vs_hf = (_fmt(s.get("speedup_vs_hf_assisted")) + "x" if key == "spec" and "speedup_vs_hf_assisted" in s
                      else "–")
             lines.append(f"| {name} | {label} | {draft if key in ('spec', 'hf_assisted') else '–'} | "
