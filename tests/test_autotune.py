@@ -1,15 +1,17 @@
-"""eval.depth=auto: the prediction from measured costs and a pilot, the cap, and the evaluate stage's choice."""
+"""eval.depth=auto: the prediction from measured costs and a pilot, the caps, and the evaluate stage's choice."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.proposers import DraftLMProposer
 from specdistill.decoding.protocols import SamplingConfig
+from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.errors import ConfigError
-from specdistill.evaluation.autotune import DepthCapped, Pilot, chain_tree, predict, verify_seconds
+from specdistill.evaluation.autotune import Capped, Pilot, Round, chain_tree, predict, verify_seconds
 from specdistill.records import read_record
 from specdistill.stages import evaluate as evaluate_stage
 
@@ -17,9 +19,7 @@ from .helpers.models import make_model
 
 
 def pilot(accepted, draft_s, nodes):
-    p = Pilot()
-    p.accepted, p.draft_s, p.nodes = list(accepted), [draft_s] * len(accepted), [nodes] * len(accepted)
-    return p
+    return Pilot([Round.chain(nodes, a, draft_s) for a in accepted])
 
 
 def test_tau_is_one_plus_the_chained_acceptance_and_the_cost_is_draft_plus_verification():
@@ -27,20 +27,60 @@ def test_tau_is_one_plus_the_chained_acceptance_and_the_cost_is_draft_plus_verif
     shallow = pilot([0, 1], draft_s=0.1, nodes=1)
     verify = {0: 1.0, 1: 1.0, 2: 1.1, 3: 1.2}
     p = predict(deep, shallow, 3, verify)
+    assert list(p) == ["0", "1", "2", "3"]  # a chain has one width: no "2w1"
     # P(A >= 1) = 3/4, P(A >= 2) = 2/4, P(A >= 3) = 1/4: tau(1) = 1.75, tau(2) = 2.25, tau(3) = 2.5
-    assert [round(p[d]["tau"], 6) for d in range(4)] == [1.0, 1.75, 2.25, 2.5]
-    # draft seconds linear in depth between the pilots (0.1 at 1, 0.3 at 3), nodes likewise
-    assert p[2]["nodes"] == 2 and p[2]["round_s"] == pytest.approx(0.2 + 1.1)
-    assert p[3]["speedup"] == pytest.approx(2.5 * 1.0 / (0.3 + 1.2)) and p[0]["speedup"] == 1.0
+    assert [round(p[d]["tau"], 6) for d in "0123"] == [1.0, 1.75, 2.25, 2.5]
+    # draft seconds linear in depth between the pilots (0.1 at 1, 0.3 at 3); a chain of 3 capped at 2 verifies 2
+    assert p["2"]["nodes"] == 2 and p["2"]["round_s"] == pytest.approx(0.2 + 1.1)
+    assert p["3"]["speedup"] == pytest.approx(2.5 * 1.0 / (0.3 + 1.2)) and p["0"]["speedup"] == 1.0
 
 
 def test_cheap_verification_chooses_deep_and_costly_verification_chooses_plain_ar():
     deep, shallow = pilot([0, 1, 2, 3, 3, 2], 0.02, 3), pilot([0, 1, 1], 0.01, 1)
     fast = predict(deep, shallow, 3, {0: 1.0, 1: 1.0, 3: 1.02})  # a native-bf16 CPU: verifying 3 nodes ~ free
-    assert max(fast, key=lambda d: fast[d]["speedup"]) == 3
+    assert max(fast, key=lambda d: fast[d]["speedup"]) == "3"
     weak = pilot([0, 0, 0, 1, 0, 0], 0.3, 3)  # a weak draft on a CPU where every node costs (AVX2, bf16 emulated)
     slow = predict(weak, pilot([0, 0, 1], 0.1, 1), 3, {0: 1.0, 1: 1.9, 3: 3.5})
-    assert max(slow, key=lambda d: slow[d]["speedup"]) == 0 and all(slow[d]["speedup"] < 1 for d in (1, 2, 3))
+    assert max(slow, key=lambda d: slow[d]["speedup"]) == "0" and all(slow[d]["speedup"] < 1 for d in "123")
+
+
+def binary(depth):
+    """A full binary tree of `depth` levels, each node's likelier child first (index order)."""
+    parents, level = [], [-1]
+    for _ in range(depth):
+        nxt = []
+        for p in level:
+            parents += [p, p]
+            nxt += [len(parents) - 2, len(parents) - 1]
+        level = nxt
+    return DraftTree(torch.arange(len(parents)), torch.tensor(parents))
+
+
+def test_a_round_knows_what_each_pruned_tree_would_have_kept():
+    tree = binary(3)  # 2 + 4 + 8 nodes
+    assert tree.reach.tolist()[:6] == [0, 1, 0, 1, 1, 1]  # node 3 is node 1's first child: reach 1 via its parent
+    kept = [0, 3, 7]  # first child, then second child, then first child: the path's reach 0, 1, 1
+    rnd = Round(0.0, tree.depth.tolist(), tree.reach.tolist(), [tree.reach.tolist()[i] for i in kept])
+    assert rnd.accepted(3, None) == 3 and rnd.accepted(2, None) == 2  # the whole tree, capped in depth
+    assert rnd.accepted(3, 1) == 1  # the chain of first children stops where the path took a second child
+    assert rnd.nodes(3, 1) == 3 and rnd.nodes(2, None) == 6 and rnd.nodes(3, None) == 14
+    # and what is predicted is what the pruned tree holds
+    assert len(tree.prune(width=1)) == 3 and tree.prune(width=1).is_chain and len(tree.prune(2)) == 6
+
+
+def test_where_nodes_cost_a_chain_of_the_tree_beats_the_tree_and_where_they_are_free_the_tree_wins():
+    tree = binary(2)  # 2 + 4 nodes; rounds keep: nothing; twice the first children; the second child, its first
+    reach = tree.reach.tolist()
+    rounds = [Round(0.01, tree.depth.tolist(), reach, [reach[i] for i in kept])
+              for kept in ([], [0, 2], [0, 2], [1, 4])]
+    deep = Pilot(rounds)
+    assert deep.widest == 2
+    free = predict(deep, deep, 2, {0: 1.0, 2: 1.0, 6: 1.0})
+    assert set(free) == {"0", "1w1", "1", "2w1", "2"} and max(free, key=lambda k: free[k]["speedup"]) == "2"
+    assert free["2"]["tau"] == pytest.approx(1 + 6 / 4) and free["2w1"]["tau"] == pytest.approx(1 + 4 / 4)
+    costly = predict(deep, deep, 2, {0: 1.0, 2: 1.2, 6: 3.0})  # verification grows with every node (AVX2)
+    best = max(costly, key=lambda k: costly[k]["speedup"])
+    assert best == "2w1" and costly["2w1"]["nodes"] == 2 and costly["2"]["speedup"] < 1 < costly["2w1"]["speedup"]
 
 
 def test_the_pilot_must_have_run():
@@ -53,11 +93,17 @@ def test_a_capped_draft_stays_lossless_and_depth_zero_is_ar(tiny_tokenizer):
     prompt, stops = [5, 6, 7, 8], {tiny_tokenizer.eos_token_id}
     ar = speculative_generate(TargetVerifier(target, 256), None, prompt, 16, stops)
     for depth in (0, 1, 2):
-        res = speculative_generate(TargetVerifier(target, 256), DepthCapped(DraftLMProposer(draft, k=4), depth),
+        res = speculative_generate(TargetVerifier(target, 256), Capped(DraftLMProposer(draft, k=4), depth),
                                    prompt, 16, stops, SamplingConfig())
         assert res.tokens == ar.tokens  # greedy: the target's own chain at every cap
         assert max((r.draft_depth for r in res.rounds), default=0) <= depth
         assert depth or not any(r.draft_len for r in res.rounds)
+    for width in (1, 2):  # eval.width: the first `width` children of each node of a top-k tree
+        res = speculative_generate(TargetVerifier(target, 256),
+                                   Capped(DraftLMProposer(draft, branching=[3, 2]), None, width), prompt, 16, stops)
+        assert res.tokens == ar.tokens
+        assert all(r.draft_len <= width + width * width for r in res.rounds) and any(r.draft_len for r in res.rounds)
+        assert width > 1 or all(r.draft_len == r.draft_depth for r in res.rounds)  # width 1: a chain
 
 
 def test_verification_seconds_are_measured_per_node_count(tiny_model):
@@ -66,7 +112,8 @@ def test_verification_seconds_are_measured_per_node_count(tiny_model):
     assert chain_tree(3, 100).parents.tolist() == [-1, 0, 1]
 
 
-def test_the_evaluate_stage_chooses_the_depth_it_predicts_best_on_dev_prompts(tmp_path, tiny_target_dir, monkeypatch):
+def stage_config(tmp_path, target_dir, monkeypatch, **eval_keys):
+    """An evaluate stage's config over three MT-bench prompts (test and dev) and the tiny target, in tmp_path."""
     from specdistill.stages.prepare import save_split
 
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
@@ -74,12 +121,15 @@ def test_the_evaluate_stage_chooses_the_depth_it_predicts_best_on_dev_prompts(tm
             for i, t in enumerate(["Write a poem.", "What is Paris?", "Name a colour."])]
     save_split(rows, tmp_path / "prompts/mtbench")
     monkeypatch.chdir(tmp_path)
-    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
-           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
-           "decode": {"draft": {"path": None, "layers": 1}},
-           "eval": {"method": "draft", "k": 3, "datasets": ["mtbench"],
-                    "num_prompts": 2, "max_new_tokens": 8, "temperatures": [0.0, 1.0], "hf_baselines": False,
-                    "depth": "auto"}}
+    return {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
+            "target": {"name_or_path": str(target_dir), "dtype": "float32"},
+            "decode": {"draft": {"path": None, "layers": 1}},
+            "eval": {"method": "draft", "datasets": ["mtbench"], "max_new_tokens": 8, "hf_baselines": False,
+                     "depth": "auto", **eval_keys}}
+
+
+def test_the_evaluate_stage_chooses_the_depth_it_predicts_best_on_dev_prompts(tmp_path, tiny_target_dir, monkeypatch):
+    cfg = stage_config(tmp_path, tiny_target_dir, monkeypatch, k=3, num_prompts=2, temperatures=[0.0, 1.0])
     metrics = evaluate_stage.run(cfg)
     auto = read_record(tmp_path / "metrics/draft.json")["settings"]["auto_depth"]
     pred = {int(d): p["speedup"] for d, p in auto["predicted"].items()}
@@ -89,4 +139,18 @@ def test_the_evaluate_stage_chooses_the_depth_it_predicts_best_on_dev_prompts(tm
     assert all(f"alpha_pos{k}" not in m for k in range(auto["depth"] + 1, 5))  # nothing drafted past the cap
     cfg["eval"]["depth"] = "deep"
     with pytest.raises(ConfigError, match="eval.depth='deep'"):
+        evaluate_stage.run(cfg)
+
+
+def test_for_a_tree_the_stage_chooses_a_width_too_and_decodes_with_it(tmp_path, tiny_target_dir, monkeypatch):
+    cfg = stage_config(tmp_path, tiny_target_dir, monkeypatch, tree=[3, 2], num_prompts=1, temperatures=[0.0])
+    evaluate_stage.run(cfg)
+    auto = read_record(tmp_path / "metrics/draft.json")["settings"]["auto_depth"]
+    pred = auto["predicted"]
+    assert {"0", "1w1", "1w2", "1", "2w1", "2w2", "2"} <= set(pred)  # every depth at every width below 3
+    assert auto["choice"] == max(pred, key=lambda k: pred[k]["speedup"])
+    assert (pred[auto["choice"]]["depth"], pred[auto["choice"]]["width"]) == (auto["depth"], auto["width"])
+    assert pred["2w1"]["nodes"] <= 2 and pred["2"]["nodes"] > pred["2w2"]["nodes"]  # 3 + 6 nodes against 2 + 4
+    cfg["eval"]["width"] = 1
+    with pytest.raises(ConfigError, match="eval.depth=auto chooses the width too"):
         evaluate_stage.run(cfg)

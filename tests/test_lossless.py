@@ -31,6 +31,7 @@ from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.union import UnionProposer
 from specdistill.decoding.verify import verify_sampling
+from specdistill.evaluation.autotune import Capped
 from specdistill.methods.suffix import SuffixConfig, SuffixIndex, SuffixProposer
 from specdistill.models.medusa import MedusaConfig, MedusaHeads
 
@@ -55,6 +56,7 @@ def medusa_heads() -> MedusaHeads:
 PROPOSERS = {  # every drafting shape the decoder verifies
     "chain": lambda draft: BigramProposer(draft, k=3),
     "topk_tree": lambda draft: BigramProposer(draft, branching=[3, 2]),
+    "pruned_tree": lambda draft: Capped(BigramProposer(draft, branching=[3, 2]), None, width=2),  # eval.width
     "eagle_static": lambda draft: EagleProposer(bigram_head(), EagleTreeConfig(shape="static", branching=[3, 2, 1]),
                                                 capacity=64),
     "eagle_dynamic": lambda draft: EagleProposer(

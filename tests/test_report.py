@@ -304,6 +304,22 @@ def test_an_auto_depth_run_shows_its_prediction_beside_the_measurement(tmp_path,
     assert "| eagle_auto | 0: 1.00x / 1: 1.21x / 2: 1.34x | 2 | 1.34x | mtbench/T0: 1.60x | 40 rounds, 12 s |" in text
 
 
+def test_an_auto_run_that_chose_a_width_names_the_shape(tmp_path, monkeypatch):
+    from specdistill.reporting.tables import depth_cap
+
+    (tmp_path / "metrics").mkdir()
+    m = metrics("eagle", [0.5, 0.4], 1.7)
+    m["settings"]["auto_depth"] = {"depth": 2, "width": 1, "choice": "2w1", "pilot_rounds": 40, "seconds": 12.0,
+                                   "predicted": {"0": {"speedup": 1.0}, "2w1": {"speedup": 1.12},
+                                                 "2": {"speedup": 0.81}}}
+    (tmp_path / "metrics/eagle_auto.json").write_text(json.dumps(m))
+    text = render(tmp_path, monkeypatch)
+    row = "| eagle_auto | 0: 1.00x / 2w1: 1.12x / 2: 0.81x | 2w1 | 1.12x | mtbench/T0: 1.60x | 40 rounds, 12 s |"
+    assert row in text
+    assert depth_cap(m["settings"]) == ", depth 2, width 1 (auto)"
+    assert depth_cap({"depth": None, "width": 1}) == ", width 1" and depth_cap({"depth": 3}) == ", depth 3"
+
+
 def test_each_method_describes_itself_and_eagle31_is_a_family_of_its_own():
     """The report's names come from the methods (`Method.describe`): EAGLE-3.1 is not folded into EAGLE-3's row."""
     from specdistill.methods import describe_training

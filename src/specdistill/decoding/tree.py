@@ -64,13 +64,36 @@ class DraftTree:
             anc[i + 1] |= anc[p + 1]
         return anc
 
+    @property
+    def reach(self) -> torch.Tensor:
+        """Per node, the highest sibling rank on its way from the root (itself included): 0 on the path of first
+        children. Rank is the order among siblings, which is the order the verifier tries them in (`verify.py`),
+        and every proposer here puts its likelier children first; so `reach < w` is the node's place in the
+        tree's first w children per node."""
+        reach = torch.zeros(len(self), dtype=torch.long)
+        seen: dict[int, int] = {}  # parent -> children so far
+        for i, p in enumerate(self.parents.tolist()):
+            rank = seen.get(p, 0)
+            seen[p] = rank + 1
+            reach[i] = rank if p < 0 else max(rank, int(reach[p]))
+        return reach
+
     def truncate(self, max_depth: int) -> DraftTree:
         """The nodes at depth <= max_depth (still topologically ordered, indices remapped)."""
-        if max_depth <= 0:
-            return DraftTree.empty()
-        keep = (self.depth <= max_depth).nonzero().flatten()
-        if len(keep) == len(self):
+        return self.prune(max_depth)
+
+    def prune(self, max_depth: int | None = None, width: int | None = None) -> DraftTree:
+        """The nodes at depth <= max_depth among the first `width` children of each node (None: no limit).
+        Pruning keeps the verification lossless: siblings are tried in order, so the first `width` of them are
+        tried exactly as in the whole tree, and a node's ancestors are always kept."""
+        keep = torch.ones(len(self), dtype=torch.bool)
+        if max_depth is not None:
+            keep &= self.depth <= max_depth
+        if width is not None:
+            keep &= self.reach < width
+        if bool(keep.all()):
             return self
+        keep = keep.nonzero().flatten()
         remap = torch.full((len(self),), -1, dtype=torch.long)
         remap[keep] = torch.arange(len(keep))
         parents = torch.where(self.parents[keep] >= 0, remap[self.parents[keep].clamp(min=0)], -1)

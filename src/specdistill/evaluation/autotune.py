@@ -1,22 +1,28 @@
-"""`eval.depth=auto`: the draft depth that maximises expected tokens/s on this machine, from measured costs.
+"""`eval.depth=auto`: the draft shape (depth and width) that maximises expected tokens/s on this machine.
 
 A speed-up is tau over what a round costs in plain decode steps, and both halves depend on the machine: verifying
 8 nodes cost 1.55x a plain step on this project's 2-core Zen 4 in bf16 with both threads, 0.93x with one thread
-beside a busy core, and 4.6x on an AVX2 machine that emulates bf16 (docs/findings.md). So instead of a fixed K,
+beside a busy core, and 4.6x on an AVX2 machine that emulates bf16 (docs/findings.md). So instead of a fixed tree,
 at the start of an evaluation:
 
 1. **Verification cost** `t_v(n)`: seconds the target takes to score a tree of n nodes after the root (n = 0 is
    a plain decode step), timed with the decoder's own verifier, as `benchmarks/verify_cost.py` does.
 2. **Pilot** on dev prompts (never the reported test prompts): the method's own proposer at its full depth D,
-   which gives the accepted length A of every round and the draft's seconds and nodes per round; and at depth 1,
-   for the draft's cost per extra level (drafting is one step per level for the sequential drafters).
-3. **Prediction** for each depth d in 0..D (0 = plain AR): capping the draft at depth d keeps the first d levels,
-   so a round then accepts min(A, d) and emits one more:
-       tau(d) = 1 + sum_{k<=d} P(A >= k)       (= 1 + sum_k prod_{i<=k} alpha_i for a chain)
-       speed-up(d) = tau(d) * t_v(0) / (t_draft(d) + t_v(n(d)))
-   with t_draft and the node count n linear in d between the two pilots. The depth with the highest prediction
-   is evaluated; its predicted speed-up is kept beside the measured one.
+   recording every round's tree and the path the target kept; and at depth 1, for the draft's cost per extra
+   level (drafting is one step per level for the sequential drafters).
+3. **Prediction** for each shape (d, w): depth d in 0..D (0 = plain AR) and width w, the first w children of each
+   node (w = 1: the tree's path of first children, a chain; siblings are ranked likeliest first and verified in
+   that order, `DraftTree.reach`). A pilot round whose kept path has m nodes among the first w children would
+   have kept min(m, d) of them in the pruned tree: exactly at T = 0, and in distribution at T > 0, because the
+   verifier tries the first w siblings of the pruned tree as it tried them in the whole one. So
+       tau(d, w) = 1 + mean over rounds of min(m_w, d)    (= 1 + sum_k prod_{i<=k} alpha_i for a chain)
+       speed-up(d, w) = tau(d, w) * t_v(0) / (t_draft(d) + mean over rounds of t_v(nodes(d, w)))
+   with t_draft linear in d between the two pilots (a width is pruned after drafting: it saves verification,
+   not drafting). The shape with the highest prediction is evaluated; its prediction is kept beside the measured
+   speed-up. For EAGLE-2's dynamic tree a cap d < D re-spends the node budget on the kept levels, so the deployed
+   tree can hold more nodes than predicted (more tau, more verification) at that depth.
 
+Labels: "2" is depth 2 at the method's own width, "2w1" depth 2 of the first children only (a chain), "0" AR.
 The choice is one per evaluation, over the evaluation's temperatures pooled, as a deployment makes it.
 """
 
@@ -35,11 +41,12 @@ from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verifier import TargetVerifier
 
 
-class DepthCapped:
-    """A proposer drafting at most `depth` levels of the wrapped one (0: no draft, a plain AR round)."""
+class Capped:
+    """A proposer drafting at most `depth` levels of the wrapped one (0: no draft, a plain AR round; None: its
+    own), and of those only the first `width` children of each node (None: all)."""
 
-    def __init__(self, proposer: Any, depth: int):
-        self.proposer, self.depth = proposer, depth
+    def __init__(self, proposer: Any, depth: int | None, width: int | None = None):
+        self.proposer, self.depth, self.width = proposer, depth, width
         self.feature_layers = getattr(proposer, "feature_layers", ())
 
     def reset(self) -> None:
@@ -49,7 +56,9 @@ class DepthCapped:
                 features: Any = None) -> DraftTree | None:
         if self.depth == 0:
             return None
-        return self.proposer.propose(context, min(max_depth, self.depth), sampling, generator, features)
+        depth = max_depth if self.depth is None else min(max_depth, self.depth)
+        tree = self.proposer.propose(context, depth, sampling, generator, features)
+        return tree if tree is None or self.width is None else tree.prune(width=self.width)
 
 
 def chain_tree(n: int, vocab: int, seed: int = 0) -> DraftTree | None:
@@ -89,40 +98,93 @@ def verify_seconds(verifier: TargetVerifier, context: list[int], nodes: list[int
 
 
 @dataclass
+class Round:
+    """One pilot round as the prediction needs it: the draft's seconds, and per node of the verified tree its
+    depth and reach (`DraftTree.reach`), and the reach of each node on the path the target kept."""
+
+    draft_s: float
+    depth: list[int]
+    reach: list[int]
+    kept: list[int]
+
+    @classmethod
+    def chain(cls, nodes: int, accepted: int, draft_s: float) -> Round:
+        """A chain round of `nodes` drafted tokens of which the first `accepted` were kept."""
+        return cls(draft_s, list(range(1, nodes + 1)), [0] * nodes, [0] * accepted)
+
+    def accepted(self, depth: int, width: int | None) -> int:
+        """Tokens this round would have kept from its tree pruned to (depth, width)."""
+        m = len(self.kept) if width is None else sum(r < width for r in self.kept)  # reach grows along a path
+        return min(m, depth)
+
+    def nodes(self, depth: int, width: int | None) -> int:
+        return sum(d <= depth and (width is None or r < width) for d, r in zip(self.depth, self.reach, strict=True))
+
+
+@dataclass
 class Pilot:
-    """What rounds at one depth cap measured: accepted lengths, draft seconds and draft nodes per round."""
+    """What rounds at one depth cap measured."""
 
-    accepted: list[int] = field(default_factory=list)
-    draft_s: list[float] = field(default_factory=list)
-    nodes: list[int] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
 
-    def add(self, rounds: list[Any]) -> None:
-        for r in rounds:  # a round that drafted nothing (prompt lookup without a match) counts: it is one token
-            self.accepted.append(r.accepted)
-            self.draft_s.append(r.draft_s)
-            self.nodes.append(r.draft_len)
+    @property
+    def widest(self) -> int:
+        """Children of the widest node any round drafted (1: chains only)."""
+        return 1 + max((r for rnd in self.rounds for r in rnd.reach), default=0)
+
+
+class Recording:
+    """The verifier, recording each scored tree and the path committed from it (the loop's own calls)."""
+
+    def __init__(self, verifier: TargetVerifier):
+        self.verifier, self.trees, self.kept = verifier, [], []
+
+    @property
+    def features(self) -> Any:
+        return self.verifier.features
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        return self.verifier.prefill(ids)
+
+    def score(self, root: int, tree: DraftTree | None) -> torch.Tensor:
+        self.trees.append(tree if tree is not None else DraftTree.empty())
+        return self.verifier.score(root, tree)
+
+    def commit(self, path: list[int]) -> None:
+        self.kept.append(list(path))
+        self.verifier.commit(path)
 
 
 def pilot(verifier: TargetVerifier, proposer: Any, prompts: list[list[int]], depth: int, temperatures: list[float],
           max_new_tokens: int, stops: set[int], seed: int) -> Pilot:
     """The proposer capped at `depth` over the pilot prompts at every temperature."""
-    capped = DepthCapped(proposer, depth)
+    capped = Capped(proposer, depth)
     out = Pilot()
     for temp in temperatures:
         sampling = SamplingConfig(temperature=temp)
         for i, prompt in enumerate(prompts):
             g = torch.Generator().manual_seed(seed + i)
-            out.add(speculative_generate(verifier, capped, prompt, max_new_tokens, stops, sampling, g).rounds)
+            rec = Recording(verifier)
+            res = speculative_generate(rec, capped, prompt, max_new_tokens, stops, sampling, g)
+            # a round that drafted nothing (prompt lookup without a match) counts: it is one token
+            for stats, tree, kept in zip(res.rounds, rec.trees, rec.kept, strict=True):
+                reach = tree.reach.tolist()
+                out.rounds.append(Round(stats.draft_s, tree.depth.tolist(), reach, [reach[i] for i in kept]))
     return out
+
+
+def label(depth: int, width: int | None) -> str:
+    return str(depth) if width is None or depth == 0 else f"{depth}w{width}"
 
 
 def interpolate(at_1: float, at_d: float, d_max: int, d: int) -> float:
     return at_1 if d_max == 1 else at_1 + (at_d - at_1) * (d - 1) / (d_max - 1)
 
 
-def predict(deep: Pilot, shallow: Pilot, depth: int, verify_s: dict[int, float]) -> dict[int, dict[str, float]]:
-    """{d: tau, nodes, seconds per round, speed-up over AR} for d = 0..depth (see the module docstring)."""
-    if not deep.accepted or not shallow.accepted:
+def predict(deep: Pilot, shallow: Pilot, depth: int, verify_s: dict[int, float]) -> dict[str, dict[str, Any]]:
+    """{label: depth, width, tau, nodes, seconds per round, speed-up over AR} for every shape (module docstring):
+    depths 0..depth, widths 1.. below the widest the pilot drafted, and the method's own (width None)."""
+    if not deep.rounds or not shallow.rounds:
         raise ValueError("the pilot ran no round: raise its max_new_tokens")
     ns = sorted(verify_s)
 
@@ -131,32 +193,36 @@ def predict(deep: Pilot, shallow: Pilot, depth: int, verify_s: dict[int, float])
         hi = min((m for m in ns if m >= n), default=ns[-1])
         return verify_s[lo] if hi == lo else verify_s[lo] + (verify_s[hi] - verify_s[lo]) * (n - lo) / (hi - lo)
 
-    rounds = len(deep.accepted)
-    d1, dd = statistics.fmean(shallow.draft_s), statistics.fmean(deep.draft_s)
-    n1, nd = statistics.fmean(shallow.nodes), statistics.fmean(deep.nodes)
-    out = {0: {"tau": 1.0, "nodes": 0.0, "round_s": verify_s[0], "speedup": 1.0}}
+    d1 = statistics.fmean(r.draft_s for r in shallow.rounds)
+    dd = statistics.fmean(r.draft_s for r in deep.rounds)
+    out: dict[str, dict[str, Any]] = {"0": {"depth": 0, "width": None, "tau": 1.0, "nodes": 0.0,
+                                            "round_s": verify_s[0], "speedup": 1.0}}
     for d in range(1, depth + 1):
-        tau = 1 + sum(sum(a >= k for a in deep.accepted) / rounds for k in range(1, d + 1))
-        nodes = interpolate(n1, nd, depth, d)
-        round_s = interpolate(d1, dd, depth, d) + t_v(nodes)
-        out[d] = {"tau": tau, "nodes": nodes, "round_s": round_s, "speedup": tau * verify_s[0] / round_s}
+        for w in [*range(1, deep.widest), None]:
+            tau = 1 + statistics.fmean(r.accepted(d, w) for r in deep.rounds)
+            nodes = [r.nodes(d, w) for r in deep.rounds]
+            round_s = interpolate(d1, dd, depth, d) + statistics.fmean(t_v(n) for n in nodes)
+            out[label(d, w)] = {"depth": d, "width": w, "tau": tau, "nodes": statistics.fmean(nodes),
+                                "round_s": round_s, "speedup": tau * verify_s[0] / round_s}
     return out
 
 
 def choose_depth(model: Any, proposer: Any, depth: int, prompts: list[list[int]], temperatures: list[float],
                  max_new_tokens: int, stops: set[int], capacity: int, seed: int) -> dict[str, Any]:
-    """Measure, predict, pick: the depth with the highest predicted speed-up, with everything it came from."""
+    """Measure, predict, pick: the shape with the highest predicted speed-up, with everything it came from."""
     t0 = time.perf_counter()
     vocab = model.get_output_embeddings().weight.shape[0]
     # one KV cache for the pilots and the timing (each prefills its own context)
     verifier = TargetVerifier(model, capacity, getattr(proposer, "feature_layers", ()))
     deep = pilot(verifier, proposer, prompts, depth, temperatures, max_new_tokens, stops, seed)
     shallow = deep if depth == 1 else pilot(verifier, proposer, prompts, 1, temperatures, max_new_tokens, stops, seed)
-    most = max(deep.nodes, default=depth)
+    most = max((len(r.depth) for r in deep.rounds), default=depth)
     nodes = sorted({0, 1, *[n for n in (2, 4, 8, 16, 32) if n < most], most})
     verify_s = verify_seconds(verifier, prompts[0], nodes, vocab)
     pred = predict(deep, shallow, depth, verify_s)
-    best = max(pred, key=lambda d: pred[d]["speedup"])
-    return {"depth": best, "predicted": {str(d): {k: round(v, 5) for k, v in p.items()} for d, p in pred.items()},
-            "verify_s": {str(n): round(s, 6) for n, s in verify_s.items()}, "pilot_rounds": len(deep.accepted),
+    best = max(pred, key=lambda k: pred[k]["speedup"])  # ties: the first, i.e. the shallower and narrower
+    return {"depth": pred[best]["depth"], "width": pred[best]["width"], "choice": best,
+            "predicted": {k: {f: v if f == "width" or v is None else round(v, 5) for f, v in p.items()}
+                          for k, p in pred.items()},
+            "verify_s": {str(n): round(s, 6) for n, s in verify_s.items()}, "pilot_rounds": len(deep.rounds),
             "pilot_prompts": len(prompts), "max_depth": depth, "seconds": round(time.perf_counter() - t0, 2)}

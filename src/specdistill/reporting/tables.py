@@ -41,11 +41,12 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
 
 
 def depth_cap(settings: dict[str, Any]) -> str:
-    """', depth 2 (auto)' for a run whose draft was capped (eval.depth), chosen for the machine or given."""
+    """', depth 2, width 1 (auto)' for a run whose draft was capped (eval.depth, eval.width), chosen for the
+    machine or given."""
     auto = settings.get("auto_depth")
-    if auto:
-        return f", depth {auto['depth']} (auto)"
-    return f", depth {settings['depth']}" if settings.get("depth") is not None else ""
+    depth, width = (auto["depth"], auto.get("width")) if auto else (settings.get("depth"), settings.get("width"))
+    words = "".join(f", {k} {v}" for k, v in (("depth", depth), ("width", width)) if v is not None)
+    return words + (" (auto)" if auto else "")
 
 
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
@@ -121,21 +122,24 @@ def tv_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def auto_depth_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
-    """Runs with eval.depth=auto: the depth chosen from this machine's measured costs, predicted against measured."""
+    """Runs with eval.depth=auto: the shape chosen from this machine's measured costs, predicted against measured."""
     runs = {n: m for n, m in sorted(all_metrics.items()) if m["settings"].get("auto_depth")}
     if not runs:
         return []
-    lines = ["## Draft depth chosen for the machine (`eval.depth=auto`)", "",
+    lines = ["## Draft shape chosen for the machine (`eval.depth=auto`)", "",
              "Measured at the start of the run (evaluation/autotune.py): the target's verification seconds per node "
-             "count and a pilot on dev prompts; predicted speed-up per depth (0 = plain AR) = tau(d) x t_verify(0) / "
-             "(t_draft(d) + t_verify(nodes(d))). The chosen depth was then evaluated on the test prompts.", "",
-             "| evaluated | predicted speed-up by depth | chosen | predicted | measured (per setting) | pilot |",
+             "count and a pilot on dev prompts; predicted speed-up per shape = tau(d, w) x t_verify(0) / "
+             "(t_draft(d) + t_verify(nodes(d, w))), for depth d (0 = plain AR) and width w (\"2w1\": depth 2 of "
+             "the first children only, a chain; \"2\": depth 2 at the method's own width). The chosen shape was then "
+             "evaluated on the test prompts.", "",
+             "| evaluated | predicted speed-up by shape | chosen | predicted | measured (per setting) | pilot |",
              "|---|---|---|---|---|---|"]
     for name, m in runs.items():
         a = m["settings"]["auto_depth"]
         pred = " / ".join(f"{d}: {p['speedup']:.2f}x" for d, p in a["predicted"].items())
         measured = ", ".join(f"{ds}/{t}: {speedup_cell(s['spec'], interval=False)}"
                              for ds, temps in m["results"].items() for t, s in temps.items())
-        lines.append(f"| {name} | {pred} | {a['depth']} | {a['predicted'][str(a['depth'])]['speedup']:.2f}x | "
+        choice = a.get("choice", str(a["depth"]))  # records before widths were chosen name the depth only
+        lines.append(f"| {name} | {pred} | {choice} | {a['predicted'][choice]['speedup']:.2f}x | "
                      f"{measured} | {a['pilot_rounds']} rounds, {a['seconds']:.0f} s |")
     return lines + [""]

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from specdistill import methods
 from specdistill.config import section
 from specdistill.decoding.union import UnionProposer
-from specdistill.evaluation.autotune import DepthCapped, choose_depth
+from specdistill.evaluation.autotune import Capped, choose_depth
 from specdistill.evaluation.prompts import SPLITS, chat_encoder, load_conversations, stratified_order  # noqa: F401
 from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
 from specdistill.hardware import environment
@@ -45,7 +45,9 @@ class EvalConfig:
     top_k: int = 0
     k: int = 2  # draft chain length
     tree: list[int] | None = None  # branching per depth for a top-k draft tree instead of a chain
-    depth: int | str | None = None  # a cap on the draft's depth | "auto": chosen from measured costs (autotune.py)
+    depth: int | str | None = None  # a cap on the draft's depth | "auto": depth and width chosen from measured costs
+    width: int | None = None  # a cap on each node's children (1: the tree's path of first children, a chain)
+    pilot_prompts: int = 1  # dev prompts per dataset the eval.depth=auto pilot decodes (more: a steadier tau, slower)
     hf_baselines: bool = True  # HF generate and HF assisted generation beside ours
     # companions (methods.companions(): prompt lookup, suffix decoding; nothing trained, deterministic trees):
     # beside: each reported alone in the same run, a baseline on the same prompts (evaluate@draft: lookup);
@@ -58,7 +60,8 @@ class EvalConfig:
     seed: int = 0
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "temperatures": "[0, 2]", "top_p": "(0, 1]",
-        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "depth": "[0, 64]", "capacity": "[64, inf)"}
+        "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "depth": "[0, 64]", "width": "[1, 64]",
+        "pilot_prompts": "[1, inf)", "capacity": "[64, inf)"}
 
     def __post_init__(self) -> None:
         methods.get(self.method, "evaluate", "eval.method")
@@ -70,6 +73,8 @@ class EvalConfig:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
         if isinstance(self.depth, str) and self.depth != "auto":
             raise ConfigError(f"eval.depth={self.depth!r}: a depth (0 = plain AR), auto, or null (the method's own)")
+        if self.depth == "auto" and self.width is not None:
+            raise ConfigError(f"eval.depth=auto chooses the width too: drop eval.width={self.width}, or set a depth")
 
 
 PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
@@ -91,10 +96,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # the prompts first: a missing split or an overlapping dev set fails before the target loads
     data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
             for name in ecfg.datasets}
-    # eval.depth=auto pilots on one dev prompt per set: disjoint from the reported test prompts, as tuning must be
-    pilot = [c for name in ecfg.datasets for c in load_conversations(Path(cfg["paths"]["prompts_dir"]), name, 1, "dev",
-                                                                      test_n=ecfg.num_prompts)] \
-        if ecfg.depth == "auto" else []
+    # eval.depth=auto pilots on dev prompts: disjoint from the reported test prompts, as tuning must be
+    pilot = pilot_conversations(ecfg, Path(cfg["paths"]["prompts_dir"])) if ecfg.depth == "auto" else []
     target = load_target(tcfg)
     tok, model = target.tokenizer, target.model
     stops = target.stop_ids
@@ -111,9 +114,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     deepest = max(drafting.max_depth, drafts[ecfg.branch].max_depth if ecfg.branch else 0)
     auto = auto_depth(ecfg, model, spec, deepest, [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot],
                       stops) if pilot else None
-    depth = auto["depth"] if auto else ecfg.depth
-    if depth is not None:
-        spec = DepthCapped(spec, depth)
+    depth, width = (auto["depth"], auto["width"]) if auto else (ecfg.depth, ecfg.width)
+    if depth is not None or width is not None:
+        spec = Capped(spec, depth, width)
     pad = target.pad_id
     rows = [ours("ar", None)]
     if ecfg.hf_baselines:
@@ -178,12 +181,18 @@ def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
     return methods.merged(shared, item)  # an item's decode keys over the shared ones, key by key
 
 
+def pilot_conversations(ecfg: EvalConfig, prompts_dir: Path) -> list[Any]:
+    """The eval.depth=auto pilot's prompts: eval.pilot_prompts dev conversations of each dataset."""
+    return [c for name in ecfg.datasets
+            for c in load_conversations(prompts_dir, name, ecfg.pilot_prompts, "dev", test_n=ecfg.num_prompts)]
+
+
 def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, prompts: list[list[int]],
                stops: set[int]) -> dict[str, Any]:
     """eval.depth=auto: measured on this machine, on the dev prompts, before any reported decoding."""
     auto = choose_depth(model, spec, deepest, prompts, ecfg.temperatures, PILOT_TOKENS, stops, ecfg.capacity, ecfg.seed)
-    log.info("eval.depth=auto: depth %d (predicted %.2fx over AR; by depth %s) in %.0f s", auto["depth"],
-             auto["predicted"][str(auto["depth"])]["speedup"],
+    log.info("eval.depth=auto: %s (predicted %.2fx over AR; by shape %s) in %.0f s", auto["choice"],
+             auto["predicted"][auto["choice"]]["speedup"],
              ", ".join(f"{d}: {p['speedup']:.2f}x" for d, p in auto["predicted"].items()), auto["seconds"])
     return auto
 
