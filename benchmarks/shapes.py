@@ -76,6 +76,9 @@ def main() -> None:
     item.update({k: v for k, v in (("num_prompts", args.num_prompts), ("max_new_tokens", args.max_new_tokens))
                  if v is not None})
     ecfg = section(EvalConfig, item, "eval")
+    if ecfg.branch:  # the stage merges the companion's tree (UnionProposer); this benchmark drafts the method alone
+        raise SystemExit(f"--item {args.item}: its eval.branch={ecfg.branch} is not measured here; use an item "
+                         "without a branch")
     dec = methods.decode_settings(cfg, ecfg.method, ecfg.decode)
     prompts_dir = ROOT / cfg["paths"]["prompts_dir"]
     data = {d: load_conversations(prompts_dir, d, ecfg.num_prompts, ecfg.split) for d in ecfg.datasets}

@@ -58,8 +58,8 @@ def binary(depth):
 
 def test_a_round_knows_what_each_pruned_tree_would_have_kept():
     tree = binary(3)  # 2 + 4 + 8 nodes
-    assert tree.reach.tolist()[:6] == [0, 1, 0, 1, 1, 1]  # node 3 is node 1's first child: reach 1 via its parent
-    kept = [0, 3, 7]  # first child, then second child, then first child: the path's reach 0, 1, 1
+    assert tree.reach.tolist()[:6] == [0, 1, 0, 1, 1, 1]  # node 4 is node 1's first child: reach 1 via its parent
+    kept = [0, 3, 8]  # first child, then its second child (3), then that one's first child (8): reach 0, 1, 1
     rnd = Round(0.0, tree.depth.tolist(), tree.reach.tolist(), [tree.reach.tolist()[i] for i in kept])
     assert rnd.accepted(3, None) == 3 and rnd.accepted(2, None) == 2  # the whole tree, capped in depth
     assert rnd.accepted(3, 1) == 1  # the chain of first children stops where the path took a second child

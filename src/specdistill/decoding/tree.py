@@ -67,9 +67,9 @@ class DraftTree:
     @property
     def reach(self) -> torch.Tensor:
         """Per node, the highest sibling rank on its way from the root (itself included): 0 on the path of first
-        children. Rank is the order among siblings, which is the order the verifier tries them in (`verify.py`),
-        and every proposer here puts its likelier children first; so `reach < w` is the node's place in the
-        tree's first w children per node."""
+        children. Rank is the order among siblings, which is the order the verifier tries them in (`verify.py`);
+        most proposers here put their likelier children first (a union puts the method's before the companion's),
+        so `reach < w` is the node's place in the tree's first w children per node."""
         reach = torch.zeros(len(self), dtype=torch.long)
         seen: dict[int, int] = {}  # parent -> children so far
         for i, p in enumerate(self.parents.tolist()):
@@ -80,7 +80,7 @@ class DraftTree:
 
     def truncate(self, max_depth: int) -> DraftTree:
         """The nodes at depth <= max_depth (still topologically ordered, indices remapped)."""
-        return self.prune(max_depth)
+        return DraftTree.empty() if max_depth <= 0 else self.prune(max_depth)
 
     def prune(self, max_depth: int | None = None, width: int | None = None) -> DraftTree:
         """The nodes at depth <= max_depth among the first `width` children of each node (None: no limit).

@@ -13,14 +13,18 @@ at the start of an evaluation:
 3. **Prediction** for each shape (d, w): depth d in 0..D (0 = plain AR) and width w, the first w children of each
    node (w = 1: the tree's path of first children, a chain; siblings are ranked likeliest first and verified in
    that order, `DraftTree.reach`). A pilot round whose kept path has m nodes among the first w children would
-   have kept min(m, d) of them in the pruned tree: exactly at T = 0, and in distribution at T > 0, because the
-   verifier tries the first w siblings of the pruned tree as it tried them in the whole one. So
+   have kept min(m, d) of them in the pruned tree (per pilot round: exactly at T = 0, in distribution at T > 0,
+   because the verifier tries the first w siblings of the pruned tree as it tried them in the whole one; tau is
+   then estimated from the pilot's rounds). So
        tau(d, w) = 1 + mean over rounds of min(m_w, d)    (= 1 + sum_k prod_{i<=k} alpha_i for a chain)
        speed-up(d, w) = tau(d, w) * t_v(0) / (t_draft(d) + mean over rounds of t_v(nodes(d, w)))
    with t_draft linear in d between the two pilots (a width is pruned after drafting: it saves verification,
    not drafting). The shape with the highest prediction is evaluated; its prediction is kept beside the measured
-   speed-up. For EAGLE-2's dynamic tree a cap d < D re-spends the node budget on the kept levels, so the deployed
-   tree can hold more nodes than predicted (more tau, more verification) at that depth.
+   speed-up. The depth cap is exact where drafting d levels gives the first d levels of the deep tree (chains,
+   static and top-k trees, lookup, Medusa); EAGLE-2's dynamic tree and suffix decoding re-spend their node budget
+   on the kept levels, and DFlash drafts a shorter block whose slots see each other, so there the deployed tree at
+   d < D can differ from the prediction's. Verification is timed on chains; a wider shape is verified under a tree
+   mask, which can cost a little more.
 
 Labels: "2" is depth 2 at the method's own width, "2w1" depth 2 of the first children only (a chain), "0" AR.
 The choice is one per evaluation, over the evaluation's temperatures pooled, as a deployment makes it.
