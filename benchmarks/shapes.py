@@ -31,12 +31,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill import methods  # noqa: E402
 from specdistill.config import section  # noqa: E402
-from specdistill.evaluation.autotune import Capped, choose_depth  # noqa: E402
+from specdistill.evaluation.autotune import Capped  # noqa: E402
 from specdistill.evaluation.prompts import chat_encoder, load_conversations  # noqa: E402
 from specdistill.evaluation.runner import our_method, run_benchmark  # noqa: E402
 from specdistill.hardware import environment  # noqa: E402
 from specdistill.models.target import TargetConfig, load_target  # noqa: E402
-from specdistill.stages.evaluate import PILOT_TOKENS, EvalConfig, eval_item, pilot_conversations  # noqa: E402
+from specdistill.stages.evaluate import EvalConfig, auto_depth, eval_item, pilot_conversations  # noqa: E402
 
 
 def shape(label: str) -> tuple[int, int | None]:
@@ -90,9 +90,7 @@ def main() -> None:
     drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
     stops = target.stop_ids
 
-    auto = choose_depth(target.model, drafting.proposer, drafting.max_depth,
-                        [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot], ecfg.temperatures,
-                        PILOT_TOKENS, stops, ecfg.capacity, ecfg.seed)
+    auto = auto_depth(ecfg, target.model, drafting.proposer, drafting.max_depth, pilot, encode, stops)
     print(f"auto: {auto['choice']} (pilot {auto['pilot_rounds']} rounds, {auto['seconds']:.0f} s); "
           f"verification ms by nodes: " + ", ".join(f"{n}: {s * 1000:.0f}" for n, s in auto["verify_s"].items()))
     if args.pilot_only:

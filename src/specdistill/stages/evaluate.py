@@ -112,8 +112,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if ecfg.branch:  # the draft and the companion's tree verified as one
         spec = UnionProposer(spec, drafts[ecfg.branch].proposer)
     deepest = max(drafting.max_depth, drafts[ecfg.branch].max_depth if ecfg.branch else 0)
-    auto = auto_depth(ecfg, model, spec, deepest, [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot],
-                      stops) if pilot else None
+    auto = auto_depth(ecfg, model, spec, deepest, pilot, encode, stops) if pilot else None
     depth, width = (auto["depth"], auto["width"]) if auto else (ecfg.depth, ecfg.width)
     if depth is not None or width is not None:
         spec = Capped(spec, depth, width)
@@ -187,9 +186,10 @@ def pilot_conversations(ecfg: EvalConfig, prompts_dir: Path) -> list[Any]:
             for c in load_conversations(prompts_dir, name, ecfg.pilot_prompts, "dev", test_n=ecfg.num_prompts)]
 
 
-def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, prompts: list[list[int]],
+def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, pilot: list[Any], encode: Any,
                stops: set[int]) -> dict[str, Any]:
-    """eval.depth=auto: measured on this machine, on the dev prompts, before any reported decoding."""
+    """eval.depth=auto: measured on this machine, on the dev prompts' first turns, before any reported decoding."""
+    prompts = [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot]
     auto = choose_depth(model, spec, deepest, prompts, ecfg.temperatures, PILOT_TOKENS, stops, ecfg.capacity, ecfg.seed)
     log.info("eval.depth=auto: %s (predicted %.2fx over AR; by shape %s) in %.0f s", auto["choice"],
              auto["predicted"][auto["choice"]]["speedup"],
