@@ -46,3 +46,24 @@ def test_lookup_replay_equals_real_decoding_along_the_same_answer(branches, tiny
                                              sum(r.draft_len for r in spec.rounds))
         gained += spec.target_forwards < len(spec.tokens)
     assert gained  # lookup was accepted somewhere: the comparison covered accepted drafts, not only empty rounds
+
+
+def test_timed_repro_gives_each_stage_its_minutes(tmp_path):
+    """benchmarks/repro_times.py and the smoke test read where a `dvc repro` spent its time from DVC's own output."""
+    import os
+
+    from .helpers.checkout import minutes_table, timed_repro
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "dvc.yaml").write_text("stages:\n  first:\n    cmd: sleep 1.5 && echo a > a.txt\n    outs: [a.txt]\n"
+                                       "  second:\n    foreach: [x, y]\n    do:\n      cmd: cat a.txt > ${item}.txt\n"
+                                       "      deps: [a.txt]\n      outs: ['${item}.txt']\n")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    seen = []
+    code, out, minutes = timed_repro(tmp_path, env, 120, lambda stage, at: seen.append(stage))
+    assert code == 0, out
+    assert list(minutes) == seen == ["first", "second@x", "second@y"]
+    assert minutes["first"] > 1.4 / 60 and all(m >= 0 for m in minutes.values())
+    table = minutes_table(minutes)
+    assert "second " in table and table.splitlines()[-1].startswith("total")

@@ -108,6 +108,19 @@ def test_a_method_s_own_trainer_section_wins(tmp_path, tiny_target_dir, generate
     assert res["steps"] == 2 and res["settings"]["trainer"]["max_steps"] == 2
 
 
+@pytest.mark.parametrize(("native", "precision"), [(False, "32-true"), (True, "bf16-mixed")])
+def test_auto_precision_follows_the_cpu_and_is_recorded(tmp_path, tiny_target_dir, generated, monkeypatch, native,
+                                                       precision):
+    """trainer.precision=auto (conf's default): bf16 autocast only where the CPU has its kernels (emulated on AVX2,
+    it made a 2-layer draft's step ~45 s); the record names the precision that ran, not `auto`."""
+    from specdistill import hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    res = train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.precision=auto",
+                                              "trainer.max_steps=1")))
+    assert res["settings"]["trainer"]["precision"] == precision
+
+
 def test_progress_shows_in_a_log_file(tmp_path, tiny_target_dir, generated, capfd):
     """Not a terminal (`nohup dvc repro > log`): the steps still show, as tqdm lines."""
     train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.max_steps=3",

@@ -4,6 +4,7 @@ conf/ composes, a stage's entry point, and a digest of every file to check that 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -27,6 +28,20 @@ def copy_checkout(dest: Path, skip: tuple[str, ...] = ("reports/", "plots/", "me
     return dest
 
 
+def repro_checkout(dest: Path) -> Path:
+    """A copy to `dvc repro` in: the project's files without any outputs or dvc.lock, with the fetched assets (verified
+    assets are kept by fetch_assets, `persist`; without them it fetches), and a git repository for DVC."""
+    import shutil
+    import subprocess
+
+    proj = copy_checkout(dest, skip=("reports/", "plots/", "metrics/", "dvc.lock"))
+    assets = ROOT / "data/assets"
+    if (assets / "assets.json").exists():
+        shutil.copytree(assets, proj / "data/assets")
+    subprocess.run(["git", "init", "-q"], cwd=proj, check=True)
+    return proj
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -42,3 +57,48 @@ def stage_run(name: str):
     from importlib import import_module
 
     return import_module(f"specdistill.stages.{name}").run
+
+
+def timed_repro(proj: Path, env: dict[str, str], timeout: float,
+                on_stage: Callable[[str, float], None] | None = None) -> tuple[int, str, dict[str, float]]:
+    """`dvc repro` in `proj`: its exit code, its output, and each stage's minutes (from its "Running stage" line to
+    the next stage's or the end), so a slow run says where its time went. Killed after `timeout` seconds (-9).
+    `on_stage(name, minutes since the start)` as each stage starts: progress for a long run."""
+    import subprocess
+    import threading
+    import time
+
+    proc = subprocess.Popen(["dvc", "repro"], cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    lines: list[str] = []
+    minutes: dict[str, float] = {}
+    start = since = time.perf_counter()
+    stage: str | None = None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Running stage '"):
+                now = time.perf_counter()
+                if stage:
+                    minutes[stage] = (now - since) / 60
+                stage, since = line.split("'")[1], now
+                if on_stage:
+                    on_stage(stage, (now - start) / 60)
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+    if stage:
+        minutes[stage] = (time.perf_counter() - since) / 60
+    return code, "".join(lines), minutes
+
+
+def minutes_table(minutes: dict[str, float]) -> str:
+    """Each stage's minutes, then each foreach stage's sum (train, evaluate, ...) and the total."""
+    groups: dict[str, float] = {}
+    for stage, m in minutes.items():
+        groups[stage.split("@")[0]] = groups.get(stage.split("@")[0], 0.0) + m
+    rows = [f"{s:28s} {m:6.2f}" for s, m in minutes.items()]
+    rows += ["-" * 35] + [f"{g:28s} {m:6.2f}" for g, m in groups.items()]
+    return "\n".join(rows + [f"{'total':28s} {sum(minutes.values()):6.2f}"])

@@ -27,7 +27,7 @@ from specdistill import methods
 from specdistill.config import section
 from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
 from specdistill.data.features import check_store
-from specdistill.hardware import environment
+from specdistill.hardware import auto_precision, environment
 from specdistill.io import config_hash
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.records import headline_of_training, metrics_files, write_record
@@ -144,6 +144,8 @@ def check(cfg: dict[str, Any], job: Job | None) -> Checked:
     optimizer = build_optimizer(dist.optimizer, f"methods.{key}.optimizer")
     scheduler = build_optimizer(dist.scheduler, "distill.scheduler", probe=False) if dist.scheduler else None
     trainer_kwargs = {**dict(cfg["trainer"]), **(mcfg.trainer or {})}  # methods.<m>.trainer wins (every method has one)
+    if trainer_kwargs.get("precision") == "auto":  # resolved here, so the record and the stamp name what ran
+        trainer_kwargs["precision"] = auto_precision(str(trainer_kwargs.get("accelerator", "auto")))
     label = method.label(mcfg, size) if method.label else method.name
     check_outputs(cfg, names={"distill.output": dist.output or key, f"methods.{key}.loss.name": lcfg.name,
                               f"methods.{key}": label})
