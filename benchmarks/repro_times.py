@@ -11,7 +11,6 @@ without native bf16 every multi-token forward costs several times more (`target.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from specdistill.hardware import cpu_name, matrix_units  # noqa: E402
-from tests.helpers.checkout import minutes_table, repro_checkout, timed_repro  # noqa: E402
+from tests.helpers.checkout import minutes_table, repro_checkout, repro_env, timed_repro  # noqa: E402
 
 
 def main() -> None:
@@ -38,27 +37,21 @@ def main() -> None:
     if (base / "proj").exists():
         sys.exit(f"{base / 'proj'} exists: pass another --dir or remove it")
     proj = repro_checkout(base / "proj")
-    from specdistill.engine.client import engine_python
-
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_MODE": "disabled"}
-    try:
-        env["SPECDISTILL_ENGINE_PYTHON"] = str(engine_python())  # the checkout's engine environment, not a copy
-    except Exception as e:  # noqa: BLE001 - the engine's stages will say so themselves
-        print(f"no engine environment ({e}): the serve stages will fail", file=sys.stderr)
+    env = repro_env(require_engine=False)  # without `make engine` the engine's stages say so themselves
     subprocess.run([sys.executable, "pipelines/compose.py", f"experiment={args.experiment}", *args.set], cwd=proj,
                    env=env, check=True)
     print(f"dvc repro of {args.experiment} in {proj} on {cpu_name()} (bf16 units: {matrix_units() or 'none'})",
           flush=True)
     code, out, minutes = timed_repro(proj, env, args.timeout,
                                      lambda stage, at: print(f"{at:7.2f} min  {stage}", flush=True))
-    (proj / "repro.log").write_text(out)
     print(minutes_table(minutes))
     if code:
         print(out[-4000:], file=sys.stderr)
-    if not args.keep and code == 0:
-        shutil.rmtree(base if args.dir is None else base / "proj")
-    elif args.keep or code:
+    if args.keep or code:
+        (proj / "repro.log").write_text(out)
         print(f"kept {proj} (repro.log has dvc's output)")
+    else:
+        shutil.rmtree(base if args.dir is None else base / "proj")
     sys.exit(code)
 
 

@@ -8,7 +8,6 @@ its stage (online requests against prepared prompts, once found after ~56 minute
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .helpers.checkout import minutes_table, repro_checkout, timed_repro
+from .helpers.checkout import minutes_table, repro_checkout, repro_env, timed_repro
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -27,22 +26,15 @@ def smoke_checkout(tmp_path: Path) -> Path:
     return repro_checkout(tmp_path / "proj")
 
 
-def environ() -> dict[str, str]:
-    from specdistill.engine.client import engine_python
-
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_MODE": "disabled",
-            "SPECDISTILL_ENGINE_PYTHON": str(engine_python())}  # the checkout's engine environment, not a copy
-
-
 def run(proj: Path, *cmd: str, timeout: int) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), cwd=proj, env=environ(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(list(cmd), cwd=proj, env=repro_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def test_smoke_runs_every_stage(smoke_checkout):
     proj = smoke_checkout
     composed = run(proj, sys.executable, "pipelines/compose.py", "experiment=smoke", timeout=300)
     assert composed.returncode == 0, composed.stderr[-3000:]
-    code, out, minutes = timed_repro(proj, environ(), timeout=3600)
+    code, out, minutes = timed_repro(proj, repro_env(), timeout=3600)
     print("\nsmoke: minutes per stage of `dvc repro`\n" + minutes_table(minutes))
     assert code == 0, (out[-6000:], minutes_table(minutes))
     stages = yaml.safe_load((proj / "dvc.lock").read_text())["stages"]

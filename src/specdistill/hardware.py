@@ -31,13 +31,20 @@ def cpu_has_native_bf16() -> bool:
         return True
 
 
+def computes_bf16(device: str) -> bool:
+    """Whether `device` ("cpu", "cuda", "cuda:1", or Lightning's "gpu") computes bfloat16 in hardware: a GPU that
+    supports it, a CPU with AVX512-BF16 or AMX. What `target.dtype=auto` and `trainer.precision=auto` follow."""
+    if str(device).startswith(("cuda", "gpu")):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cpu_has_native_bf16()
+
+
 def auto_precision(accelerator: str) -> str:
-    """`trainer.precision=auto`: bf16 mixed precision where the hardware computes bf16 (a GPU that supports it,
-    a CPU with AVX512-BF16 or AMX), else full float32. Emulated bf16 autocast on an AVX2 CPU made a 2-layer
-    draft's training step ~45 s where float32 takes a few."""
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
-        return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "16-mixed"
-    return "bf16-mixed" if cpu_has_native_bf16() else "32-true"
+    """`trainer.precision=auto`: bf16 mixed precision where the hardware computes bf16, else 16-mixed on a GPU and
+    full float32 on a CPU. Emulated bf16 autocast on an AVX2 CPU made train@draft's first two smoke steps take 46 s
+    and 91 s; in float32 its whole 4-step item took 70 s (docs/findings.md, "The smoke run on an AVX2 CPU")."""
+    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return "bf16-mixed" if computes_bf16("cuda" if gpu else "cpu") else "16-mixed" if gpu else "32-true"
 
 
 def cpu_flags() -> set[str]:

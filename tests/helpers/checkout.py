@@ -59,6 +59,23 @@ def stage_run(name: str):
     return import_module(f"specdistill.stages.{name}").run
 
 
+def repro_env(require_engine: bool = True) -> dict[str, str]:
+    """The environment to `dvc repro` a copy in: this venv's `dvc` and python first, W&B off, and the checkout's own
+    engine environment (not a copy's). Without one: an error, or (require_engine=False) the engine stages' own."""
+    import os
+    import sys
+
+    from specdistill.engine.client import engine_python
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_MODE": "disabled"}
+    try:
+        env["SPECDISTILL_ENGINE_PYTHON"] = str(engine_python())
+    except Exception:
+        if require_engine:
+            raise
+    return env
+
+
 def timed_repro(proj: Path, env: dict[str, str], timeout: float,
                 on_stage: Callable[[str, float], None] | None = None) -> tuple[int, str, dict[str, float]]:
     """`dvc repro` in `proj`: its exit code, its output, and each stage's minutes (from its "Running stage" line to
@@ -98,7 +115,8 @@ def minutes_table(minutes: dict[str, float]) -> str:
     """Each stage's minutes, then each foreach stage's sum (train, evaluate, ...) and the total."""
     groups: dict[str, float] = {}
     for stage, m in minutes.items():
-        groups[stage.split("@")[0]] = groups.get(stage.split("@")[0], 0.0) + m
+        group = stage.split("@")[0]
+        groups[group] = groups.get(group, 0.0) + m
     rows = [f"{s:28s} {m:6.2f}" for s, m in minutes.items()]
     rows += ["-" * 35] + [f"{g:28s} {m:6.2f}" for g, m in groups.items()]
     return "\n".join(rows + [f"{'total':28s} {sum(minutes.values()):6.2f}"])

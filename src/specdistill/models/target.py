@@ -29,17 +29,16 @@ class TargetError(RuntimeError):
 
 
 def auto_dtype(device: str) -> str:
-    """`target.dtype=auto`: bfloat16 where the hardware computes it (a CUDA GPU that supports it, a CPU with
-    AVX512-BF16 or AMX), float32 elsewhere. On an AVX2 CPU bf16 is emulated: a batch of 8 prompts generated at
-    3 tokens/s there, and a draft tree's verification costs several plain steps instead of two
-    (docs/findings.md); float32 is then both faster and exact to the dequantised weights."""
-    if str(device).startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if hardware.cpu_has_native_bf16() else "float32"
+    """`target.dtype=auto`: bfloat16 where the device computes it (`hardware.computes_bf16`), else float16 on a GPU
+    and float32 on a CPU. On an AVX2 CPU bf16 is emulated: generate made 3 tokens/s at batch 8 there, and verifying
+    8 draft nodes cost 4.25 plain steps in bf16 against 1.81 in float32 (docs/findings.md)."""
+    if hardware.computes_bf16(device):
+        return "bfloat16"
+    return "float16" if str(device).startswith("cuda") else "float32"
 
 
 def warn_if_emulated_bf16(cfg: TargetConfig) -> None:
-    if cfg.dtype == "bfloat16" and str(cfg.device).startswith("cpu") and not hardware.cpu_has_native_bf16():
+    if cfg.dtype == "bfloat16" and str(cfg.device).startswith("cpu") and not hardware.computes_bf16("cpu"):
         log.warning("target.dtype=bfloat16 on a CPU without native bfloat16 (%s): multi-token forwards (batched "
                     "generation, prefill, verifying a draft tree) run several times slower than in float32 (a "
                     "2-core AVX2 EPYC: 8-node verification 206 ms against 142, 4.6 plain steps against 1.9). "
@@ -61,10 +60,9 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         # every stage reads the resolved name: what the data's fingerprint, the records and the engine's job say
+        # (load_target's log line names it)
         if self.dtype == "auto":
             self.dtype = auto_dtype(self.device)
-            log.info("target.dtype=auto: %s on this %s", self.dtype, "GPU" if str(self.device).startswith("cuda")
-                     else "CPU (native bf16)" if self.dtype == "bfloat16" else "CPU (bf16 would be emulated)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
