@@ -48,7 +48,10 @@ EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluat
     # how a method drafts (conf/decode/) reruns the evaluate items that draft with it, and no training
     ("decode.suffix.max_spec_tokens", {"evaluate@suffix"}),  # a method that trains nothing
     ("decode.medusa.budget", {"evaluate@medusa"}),
-    ("decode.eagle.tree.total_tokens", EAGLE_EVALS | {"online@eagle"}),  # online drafts over the same section
+    # online drafts over the same section; compare runs EAGLE-3 and EAGLE-3.1 beside DFlash
+    ("decode.eagle.tree.total_tokens", EAGLE_EVALS | {"online@eagle", "compare"}),
+    ("decode.dflash.k", {"evaluate@dflash", "compare"}),  # a rival's item and section rerun the run it is in
+    ("evals.eagle31.decode.path", {"evaluate@eagle31", "compare"}),
     ("decode.draft.layers", {"evaluate@draft", "evaluate@untrained", "online@draft"}),
     ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
     ("evals.untrained.k", {"evaluate@untrained"}),
@@ -62,7 +65,8 @@ def test_a_change_to_one_methods_key_reruns_its_stages_only(changed, only):
 def test_shared_keys_still_rerun_every_stage_that_reads_them():
     trains = {s for s in stage_params() if s.startswith("train@")}
     assert trains <= rerun_by("distill.data.batch_size") and trains <= rerun_by("trainer.max_steps")
-    assert {s for s in stage_params() if s.startswith("evaluate@")} == rerun_by("eval.max_new_tokens")
+    evaluations = {s for s in stage_params() if s.startswith("evaluate@")} | {"compare"}  # compare: evaluate's too
+    assert evaluations == rerun_by("eval.max_new_tokens")
 
 
 def test_no_stage_command_carries_config():

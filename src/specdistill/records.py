@@ -51,12 +51,15 @@ def read_records(metrics_dir: Path, prefix: str = "") -> dict[str, dict[str, Any
 
 
 def headline_of_evaluation(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Per dataset and temperature: the speculative row's tau and speed-up over AR."""
+    """Per dataset and temperature: the speculative row's tau and speed-up over AR, and each rival's (eval.rivals)
+    under its item's name."""
     out: dict[str, Any] = {}
+    rivals = (metrics.get("settings") or {}).get("rivals") or {}
     for ds, temps in metrics["results"].items():
         for temp, rows in temps.items():
-            spec = rows.get("spec", {})
-            out.setdefault(ds, {})[temp] = {k: spec[k] for k in ("tau", "speedup") if k in spec}
+            head = lambda row: {k: row[k] for k in ("tau", "speedup") if k in row}  # noqa: E731
+            out.setdefault(ds, {})[temp] = {**head(rows.get("spec", {})),
+                                            **{r: head(rows[r]) for r in rivals if r in rows}}
     return out
 
 

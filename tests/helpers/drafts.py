@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.models.dflash import DFlashConfig, DFlashDrafter
+from specdistill.models.dflash import DFlashConfig, DFlashDrafter, build_dflash
 from specdistill.models.draft_lm import DraftSize, build_draft
 from specdistill.models.eagle import EagleConfig, EagleHead, build_eagle
 from specdistill.models.hidden import HiddenTap
@@ -33,6 +33,17 @@ def target_features(target, ids, layers):
     with HiddenTap(target, layers) as tap, torch.no_grad():
         target(input_ids=ids)
     return tap.concat()
+
+
+def random_drafter(target, d2t=None, block=5, seed=0, scale=0.2) -> DFlashDrafter:
+    """A 2-layer DFlash block drafter with random weights over EAGLE-3's layers."""
+    drafter = build_dflash(target, EAGLE_LAYERS["eagle3"], num_layers=2, block_size=block, mask_token_id=1, d2t=d2t,
+                           seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return drafter.eval()
 
 
 def random_heads(target, k=3, d2t=None, seed=0):

@@ -28,6 +28,19 @@ def companion(name: str, settings: dict[str, Any]) -> tuple[str, str]:
     return describe({"method": name, "settings": settings})
 
 
+def rival(metrics: dict[str, Any], row: str) -> dict[str, Any] | None:
+    """A rival's row (eval.rivals) as a record of its own: its method and the settings its draft recorded, so the
+    method's `describe` and the tables' draft label read it as they read the run's; None for any other row."""
+    found = (metrics["settings"].get("rivals") or {}).get(row)
+    return {"method": found["method"], "settings": found} if found else None
+
+
+def drafted(name: str, metrics: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(row, its name in the tables, the record that describes its draft) for every row a draft of the run `name`
+    produced: the method's (`spec`, named after the run) and each rival's (named after its item)."""
+    return [("spec", name, metrics), *((r, r, rival(metrics, r)) for r in metrics["settings"].get("rivals") or {})]
+
+
 def alphas(summary: dict[str, Any]) -> list[float]:
     """alpha_pos1, alpha_pos2, ... of one summary, up to the first position never attempted."""
     out = []

@@ -6,7 +6,7 @@ from typing import Any
 
 from specdistill.evaluation.accounting import expected_accepted_length
 from specdistill.methods import REGISTRY, describe
-from specdistill.reporting import alphas, branch_of, chained_tau, companion, settings
+from specdistill.reporting import alphas, branch_of, chained_tau, companion, drafted, rival, settings
 
 ROW_NAMES = {"ar": "AR (ours, K=0)", "hf_generate": "HF generate", "spec": "speculative (ours)",
              "hf_assisted": "HF assisted (same draft)"}  # then the companions reported beside (eval.beside)
@@ -55,14 +55,47 @@ def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
              "speed-up vs AR (95% CI) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, dataset, temp, m in settings(all_metrics):
-        s = m.get("spec", {})
-        if "draft_s" not in s:
-            continue
-        total = s["draft_s"] + s["verify_s"]
-        params = all_metrics[name]["settings"].get("draft_parameters")
-        lines.append(f"| {name} | {dataset}/{temp} | {f'{params / 1e6:.1f}M' if params else '–'} | "
-                     f"{s['draft_s']:.2f} | "
-                     f"{s['verify_s']:.2f} | {s['draft_s'] / total:.0%} | {_fmt(s.get('tau'))} | {speedup_cell(s)} |")
+        for row, label, record in drafted(name, all_metrics[name]):  # the method's draft, then each rival's
+            s = m.get(row, {})
+            if "draft_s" not in s:
+                continue
+            total = s["draft_s"] + s["verify_s"]
+            params = record["settings"].get("draft_parameters")
+            lines.append(f"| {label} | {dataset}/{temp} | {f'{params / 1e6:.1f}M' if params else '–'} | "
+                         f"{s['draft_s']:.2f} | {s['verify_s']:.2f} | {s['draft_s'] / total:.0%} | "
+                         f"{_fmt(s.get('tau'))} | {speedup_cell(s)} |")
+    return lines
+
+
+def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
+    """Runs with rivals (eval.rivals): each drafter beside the others, measured in the one run against one AR:
+    tau, acceptance by position, the draft's share of decode time and the speed-up with its interval."""
+    runs = {n: m for n, m in sorted(all_metrics.items()) if m["settings"].get("rivals")}
+    if not runs:
+        return []
+    lines = ["## Head to head: drafters in one run (`eval.rivals`)", "",
+             "Each drafter decoded the same prompts in the same process, interleaved, against the same AR rows, so "
+             "the figures differ by the drafts, not by the machine's drift between runs. alpha_k: accepted at draft "
+             "position k given 1..k-1 accepted; draft share: the draft's seconds over draft + verification.", ""]
+    for name, metrics in runs.items():
+        rows = drafted(name, metrics)
+        shown = min(4, max((len(alphas(m.get(row, {}))) for temps in metrics["results"].values()
+                            for m in temps.values() for row, *_ in rows), default=0))
+        lines += [f"| `{name}`: drafter | draft | setting | tau | " +
+                  " | ".join(f"alpha_{k}" for k in range(1, shown + 1)) + " | draft share | speed-up vs AR (95% CI) |",
+                  "|---|---|---|---|" + "---|" * shown + "---|---|"]
+        for dataset, temps in metrics["results"].items():
+            for temp, m in temps.items():
+                for row, label, record in rows:
+                    s = m.get(row)
+                    if not s:
+                        continue
+                    a = alphas(s) + [None] * shown
+                    share = s["draft_s"] / (s["draft_s"] + s["verify_s"]) if s.get("draft_s") is not None else None
+                    lines.append(f"| {label} | {draft_label(record)[0]} | {dataset}/{temp} | {_fmt(s.get('tau'))} | "
+                                 + " | ".join(_fmt(x) for x in a[:shown])
+                                 + f" | {f'{share:.0%}' if share is not None else '–'} | {speedup_cell(s)} |")
+        lines.append("")
     return lines
 
 
@@ -78,14 +111,19 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
         for key in [*ROW_NAMES, *sorted(set(m) - set(ROW_NAMES))]:
             if key not in m:
                 continue
-            s = m[key]
-            label = (f"speculative ({name})" if key == "spec" else ROW_NAMES.get(key)
-                     or f"{companion(key, metrics['settings'])[1]} (ours)")
+            s, other = m[key], rival(metrics, key)
+            if other:  # a rival: its own draft and training, in this run
+                label, (row_draft, row_loss) = f"speculative ({key})", draft_label(other)
+            else:
+                label = (f"speculative ({name})" if key == "spec" else ROW_NAMES.get(key)
+                         or f"{companion(key, metrics['settings'])[1]} (ours)")
+                row_draft = draft if key in ("spec", "hf_assisted") else "–"
+                row_loss = loss if key == "spec" else "–"
             vs_hf = (_fmt(s.get("speedup_vs_hf_assisted")) + "x" if key == "spec" and "speedup_vs_hf_assisted" in s
                      else "–")
-            lines.append(f"| {name} | {label} | {draft if key in ('spec', 'hf_assisted') else '–'} | "
-                         f"{loss if key == 'spec' else '–'} | {_fmt(s.get('alpha_pos1'))} | {_fmt(s.get('tau'))} | "
-                         f"{_fmt(s['tokens_per_s'], 1)} | {speedup_cell(s, interval=key != 'ar')} | {vs_hf} |")
+            lines.append(f"| {name} | {label} | {row_draft} | {row_loss} | {_fmt(s.get('alpha_pos1'))} | "
+                         f"{_fmt(s.get('tau'))} | {_fmt(s['tokens_per_s'], 1)} | "
+                         f"{speedup_cell(s, interval=key != 'ar')} | {vs_hf} |")
     return lines
 
 

@@ -55,6 +55,11 @@ class EvalConfig:
     # repeats from its prompt or earlier turn, where a small draft is weak (evaluate@eagle_lookup)
     beside: list[str] = field(default_factory=list)
     branch: str | None = None
+    # rivals: other evaluate items (keys of `evals`) whose drafts run in this same run beside the method's, on the
+    # same prompts, interleaved, against the same AR: a head-to-head without the drift between runs (evaluate@compare:
+    # EAGLE-3 against EAGLE-3.1 and the block drafter). A rival drafts as its own item says (its method, decode, k,
+    # tree); what the run measures (prompts, tokens, temperatures) is this item's
+    rivals: list[str] = field(default_factory=list)
     decode: dict[str, Any] = field(default_factory=dict)  # an item's keys over decode.<method> (evals.<item>.decode)
     capacity: int = 4096  # KV cache tokens per generation
     seed: int = 0
@@ -75,6 +80,14 @@ class EvalConfig:
             raise ConfigError(f"eval.depth={self.depth!r}: a depth (0 = plain AR), auto, or null (the method's own)")
         if self.depth == "auto" and self.width is not None:
             raise ConfigError(f"eval.depth=auto chooses the width too: drop eval.width={self.width}, or set a depth")
+        if clash := set(self.rivals) & ({*ROWS, *self.beside, self.name or self.method}):
+            raise ConfigError(f"eval.rivals={self.rivals}: {sorted(clash)} would share a row's name with the method, "
+                              f"a companion beside it or one of {ROWS}: name another evaluate item")
+
+
+ROWS = ("ar", "spec", "hf_generate", "hf_assisted")  # the rows every run may have; companions and rivals add theirs
+# what a rival must share with the item it runs in: the run's measurement, not the draft
+SHARED = ("datasets", "num_prompts", "split", "max_new_tokens", "temperatures", "top_p", "top_k", "capacity", "seed")
 
 
 PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
@@ -87,6 +100,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     named = dict.fromkeys([*ecfg.beside, *([ecfg.branch] if ecfg.branch else [])])
     companions = {n: methods.decode_settings(cfg, n) for n in named}
     check_branch(ecfg, dec)
+    rivals = {r: rival_item(cfg, ecfg, r) for r in ecfg.rivals}  # each item's eval section and decode settings
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
     metrics_file = Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"
@@ -105,7 +119,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # the method's own proposer and its companions' (missing heads, trees or corpora fail here, before any decoding)
     drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
     drafts = {n: methods.get(n, "evaluate").draft(ecfg, target, d) for n, d in companions.items()}
-    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, drafting.max_depth, *(d.max_depth for d in drafts.values()))
+    rival_drafts = {r: methods.get(rc.method, "evaluate", f"evals.{r}.method").draft(rc, target, rd)
+                    for r, (rc, rd) in rivals.items()}
+    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, drafting.max_depth,
+                  *(d.max_depth for d in drafts.values()),
+                  *(rc.tree and len(rc.tree) or rc.k for rc, _ in rivals.values()),
+                  *(d.max_depth for d in rival_drafts.values()))
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
     spec = drafting.proposer
@@ -125,6 +144,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         rows.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, pad, assistant=drafting.assistant,
                               k=ecfg.k))
     rows += [ours(n, drafts[n].proposer) for n in ecfg.beside]  # named after the method: the report describes them
+    rows += [ours(r, d.proposer) for r, d in rival_drafts.items()]  # named after the item
     draft_info = drafting.info
 
     group = cfg.get("experiment_name", "default")
@@ -133,6 +153,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     settings = {"method": ecfg.method, **asdict(ecfg), "decode": asdict(dec) if dec is not None else {},
                 **{n: asdict(d) for n, d in companions.items()}, **draft_info,
                 "chain_or_tree": "tree" if ecfg.tree else "chain",
+                "rivals": {r: {"method": rc.method, "k": rc.k, "tree": rc.tree,
+                               "decode": asdict(rd) if rd is not None else {}, **rival_drafts[r].info}
+                           for r, (rc, rd) in rivals.items()},
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
     with wandb_run(cfg.get("logger"), job_type="evaluate", name=f"evaluate@{name}", group=group, config=cfg) as wb:
@@ -165,6 +188,25 @@ def check_branch(ecfg: EvalConfig, dec: Any) -> None:
     if fix and any(t > 0 for t in ecfg.temperatures):
         raise ConfigError(f"eval.branch={ecfg.branch} merges deterministic trees, but method={ecfg.method} "
                           f"drafts a chain by sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
+
+
+def rival_item(cfg: dict[str, Any], ecfg: EvalConfig, rival: str) -> tuple[EvalConfig, Any]:
+    """evals.<rival> as the run's rival: its eval section (its draft's keys over the shared ones) and its decode
+    settings, checked before the target loads; it must measure what the run measures and draft nothing extra."""
+    if rival not in (cfg.get("evals") or {}):
+        raise ConfigError(f"eval.rivals: {rival!r} is no evaluate item: use keys of evals "
+                          f"({sorted(cfg.get('evals') or {})})")
+    own = ("beside", "branch", "rivals", "depth", "width")  # only the rival item's own: the run's are not its
+    shared = {k: v for k, v in cfg["eval"].items() if k not in own}
+    rc = section(EvalConfig, eval_item({**cfg, "eval": {**shared, "name": rival, "method": None}}), f"evals.{rival}")
+    if extra := [k for k in own if getattr(rc, k) not in (None, [])]:
+        raise ConfigError(f"eval.rivals: evals.{rival} sets {extra}, which a rival does not run (it drafts with its "
+                          "own method, decode, k and tree only): name an item without them")
+    if differ := [k for k in SHARED if getattr(rc, k) != getattr(ecfg, k)]:
+        raise ConfigError(f"eval.rivals: evals.{rival} sets {differ} apart from this run's "
+                          f"({', '.join(f'{k}={getattr(ecfg, k)!r}' for k in differ)}): a rival measures on the "
+                          "run's prompts and settings: set them alike (in eval, or on both items)")
+    return rc, methods.decode_settings(cfg, rc.method, rc.decode)
 
 
 def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -244,8 +286,15 @@ def log_wandb(run: Any, metrics: dict[str, Any]) -> None:
         return
     import wandb
 
+    rivals = list(metrics["settings"].get("rivals") or {})
     for ds_name, temps in metrics["results"].items():
         for temp, m in temps.items():
+            for r in rivals:  # each rival's figures under its item's name, beside the run's own
+                ci = m[r].get("speedup_ci95") or [None, None]
+                run.summary.update({f"eval/{ds_name}/{temp}/{r}/tau": m[r].get("tau"),
+                                    f"eval/{ds_name}/{temp}/{r}/speedup": m[r].get("speedup"),
+                                    f"eval/{ds_name}/{temp}/{r}/speedup_ci95_low": ci[0],
+                                    f"eval/{ds_name}/{temp}/{r}/speedup_ci95_high": ci[1]})
             spec = m["spec"]
             prefix = f"eval/{ds_name}/{temp}"
             ci = spec.get("speedup_ci95") or [None, None]

@@ -12,7 +12,14 @@ from specdistill.reporting import figures, settings
 from specdistill.reporting.online import load_online, online_curves, online_tables
 from specdistill.reporting.serving import load_serving, serving_figure, serving_tables
 from specdistill.reporting.summary import engine_summary, summary_table
-from specdistill.reporting.tables import auto_depth_table, formula_check, results_table, time_split, tv_check
+from specdistill.reporting.tables import (
+    auto_depth_table,
+    formula_check,
+    head_to_head,
+    results_table,
+    time_split,
+    tv_check,
+)
 from specdistill.reporting.training import (
     alpha_curves,
     curve_label,
@@ -100,7 +107,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "several positions rounds differently from a one-token step, so where the top two logits tie to within",
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
              "float32 none happens); tokens/s, not wall time, is therefore the ratio.", "",
-             *summary_table(all_metrics), *engine_summary(serve or {}), ""]
+             *summary_table(all_metrics), *engine_summary(serve or {}), "", *head_to_head(all_metrics)]
     machines = sorted({machine(m["settings"]) for m in all_metrics.values()})
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
         lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "

@@ -1,0 +1,123 @@
+"""eval.rivals: EAGLE-3, EAGLE-3.1 and DFlash in one evaluate run (evaluate@compare), on the tiny target.
+
+Each rival drafts as its own evaluate item says, on the run's prompts, interleaved with the method's rows and measured
+against the same AR; every row writes the target's greedy text at T = 0; the record, its headline and the report name
+each drafter; an item that would measure apart from the run, or a name that clashes, fails before the target loads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdistill.errors import ConfigError
+from specdistill.models.dflash import save_dflash
+from specdistill.models.eagle import save_eagle
+
+from .helpers.drafts import random_drafter, random_head
+from .helpers.evaluate import eagle_eval_config, greedy_texts
+
+EVALS = {"eagle": {"method": "eagle"},
+         "eagle31": {"method": "eagle", "decode": {"path": "models/eagle31"}},
+         "dflash": {"method": "dflash"},
+         "lookup": {"method": "lookup"},
+         "compare": {"method": "eagle", "rivals": ["eagle31", "dflash"]}}
+
+
+@pytest.fixture
+def compare_cfg(tmp_path, tiny_target_dir, monkeypatch) -> dict:
+    """The evaluate config of evals.compare over three random drafters saved where the items point."""
+    from specdistill.models.target import TargetConfig, load_target
+
+    cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="compare", hf_baselines=False)
+    loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
+    head = random_head(loaded.model, "eagle3.1", torch.arange(100), seed=1)
+    head.cfg.target_fingerprint = loaded.fingerprint
+    save_eagle(head, tmp_path / "models/eagle31")
+    drafter = random_drafter(loaded.model, torch.arange(100))
+    drafter.cfg.target_fingerprint = loaded.fingerprint
+    save_dflash(drafter, tmp_path / "models/dflash")
+    cfg["decode"]["dflash"] = {"path": str(tmp_path / "models/dflash"), "k": 3}
+    cfg["eval"]["method"] = "draft"  # the shared section's method: the item's (eagle) wins
+    return {**cfg, "evals": {k: dict(v) for k, v in EVALS.items()}}
+
+
+def test_rivals_run_in_the_same_run_and_every_row_is_the_targets(tmp_path, compare_cfg):
+    from specdistill.stages import evaluate as evaluate_stage
+
+    metrics = evaluate_stage.run(compare_cfg)
+    rows = metrics["results"]["mtbench"]["T0"]
+    assert set(rows) == {"ar", "spec", "eagle31", "dflash"}
+    rivals = metrics["settings"]["rivals"]
+    assert rivals["eagle31"]["method"] == "eagle" and rivals["eagle31"]["eagle_variant"] == "eagle3.1"
+    assert rivals["dflash"]["method"] == "dflash" and rivals["dflash"]["dflash_k"] == 3
+    assert metrics["settings"]["eagle_variant"] == "eagle3"  # the run's own method: evals.compare's eagle
+    for temp in ("T0", "T1"):  # each drafter's own acceptance and timing, against the run's one AR
+        for r in ("spec", "eagle31", "dflash"):
+            s = metrics["results"]["mtbench"][temp][r]
+            assert s["tau"] >= 1 and "alpha_pos1" in s and s["draft_s"] > 0 and s["speedup"] > 0
+    t0 = greedy_texts(tmp_path / "plots/compare/samples.jsonl")
+    assert all(t0[(turn, r)] == t0[(turn, "ar")] for turn in (1, 2) for r in ("spec", "eagle31", "dflash"))
+    head = json.loads((tmp_path / "metrics/compare.json").read_text())["mtbench"]["T0"]
+    assert set(head) == {"tau", "speedup", "eagle31", "dflash"} and set(head["dflash"]) == {"tau", "speedup"}
+
+
+def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
+    from specdistill.reporting.tables import head_to_head, results_table, time_split
+    from specdistill.stages import evaluate as evaluate_stage
+
+    metrics = evaluate_stage.run(compare_cfg)
+    table = "\n".join(head_to_head({"compare": metrics}))
+    assert "## Head to head" in table and "| `compare`: drafter |" in table
+    for row in ("| compare | eagle3, dynamic tree 5 nodes", "| eagle31 | eagle3.1, dynamic tree 5 nodes",
+                "| dflash | DFlash block of 5, chain K=3"):
+        assert table.count(row) == 2, row  # one row per drafter and setting: mtbench at T = 0 and 1
+    details = "\n".join(results_table({"compare": metrics}, "mtbench", "T0"))
+    assert "| compare | speculative (dflash) | DFlash block of 5, chain K=3" in details
+    assert "| compare | speculative (eagle31) | eagle3.1," in details
+    split = "\n".join(time_split({"compare": metrics}))
+    assert all(f"| {r} | mtbench/T0 |" in split for r in ("compare", "eagle31", "dflash"))
+    assert head_to_head({"eagle": {**metrics, "settings": {**metrics["settings"], "rivals": {}}}}) == []
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"rivals": ["nope"]}, r"eval.rivals: 'nope' is no evaluate item"),
+    ({"rivals": ["lookup"], "beside": ["lookup"]}, r"\['lookup'\] would share a row's name"),
+    ({"rivals": ["compare"]}, r"\['compare'\] would share a row's name"),
+    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "max_new_tokens": 4}},
+     r"evals.eagle31 sets \['max_new_tokens'\] apart from this run's"),
+    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "depth": 2}},
+     r"evals.eagle31 sets \['depth'\], which a rival does not run"),
+    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "nope"}}, r"method='nope'"),
+])
+def test_a_rival_that_cannot_share_the_run_fails_before_the_target_loads(compare_cfg, monkeypatch, change, message):
+    from specdistill.stages import evaluate as evaluate_stage
+
+    def no_load(*a, **k):
+        raise AssertionError("the target loaded before the config was checked")
+
+    monkeypatch.setattr(evaluate_stage, "load_target", no_load)
+    evals = {**compare_cfg["evals"], "compare": {"method": "eagle", **{k: v for k, v in change.items()
+                                                                       if not k.startswith("evals.")}}}
+    evals.update({k[6:]: v for k, v in change.items() if k.startswith("evals.")})
+    with pytest.raises(ConfigError, match=message):
+        evaluate_stage.run({**compare_cfg, "evals": evals})
+
+
+def test_wandb_summarises_each_rival_beside_the_run(tmp_path, compare_cfg, monkeypatch):
+    from specdistill.stages import evaluate as evaluate_stage
+    from specdistill.tracking import wandb_run
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    metrics = evaluate_stage.run(compare_cfg)
+    logger = {"enabled": True, "project": "specdistill-test", "entity": None, "mode": "offline",
+              "dir": str(tmp_path), "tags": []}
+    with wandb_run(logger, job_type="evaluate", name="evaluate@compare", group="t", config={}) as run:
+        evaluate_stage.log_wandb(run, metrics)
+        for r in ("dflash", "eagle31"):
+            s = metrics["results"]["mtbench"]["T0"][r]
+            assert run.summary[f"eval/mtbench/T0/{r}/tau"] == s["tau"]
+            assert run.summary[f"eval/mtbench/T0/{r}/speedup"] == s["speedup"]
+        assert run.summary["eval/mtbench/T0/tau"] == metrics["results"]["mtbench"]["T0"]["spec"]["tau"]
