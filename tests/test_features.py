@@ -136,3 +136,17 @@ def test_an_empty_split_list_writes_an_empty_store(tmp_path, tiny_target_dir, ge
     assert res["this_run"]["shards"] == 0 and res["splits"] == {}
     with pytest.raises(DataError, match="no feature shards"):
         FeatureStore(tmp_path / "features", "train")
+
+
+@pytest.mark.parametrize("target_dtype", ["float32", "bfloat16"])
+def test_auto_stores_the_states_in_the_targets_dtype(tmp_path, tiny_target_dir, generated, target_dtype):
+    """features.dtype=auto (conf's default) follows target.dtype: EAGLE trains on the states it drafts from, not on
+    bf16-rounded ones beside a float32 target (as an AVX2 machine's target.dtype=auto gives)."""
+    from safetensors import safe_open
+
+    res = features_stage.run(stage_cfg(tmp_path, tiny_target_dir, generated, "features.dtype=auto",
+                                       f"target.dtype={target_dtype}"))
+    assert res["dtype"] == target_dtype
+    shard = sorted((tmp_path / "features/train").glob("shard-*.safetensors"))[0]
+    with safe_open(shard, "pt") as f:
+        assert f.get_tensor("features").dtype == getattr(torch, target_dtype)

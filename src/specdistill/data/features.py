@@ -37,7 +37,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class FeaturesConfig:
     layers: list[int] | None = None  # HiddenTap indices; null: what eagle and eagle1 read by default
     topk: int = 128  # the target's top-k log-probs per response token: the stored teacher
-    dtype: str = "bfloat16"  # the stored features (the live path feeds the target's bf16 states)
+    dtype: str = "auto"  # the stored features; auto: the target's dtype, as the live path and inference feed them
     batch_size: int = 8
     splits: list[str] = field(default_factory=lambda: ["train"])  # []: nothing (an experiment whose EAGLE runs live)
     engine: str = "own"  # own: this package's pass | vllm: the serving engine (engine/features.py)
@@ -48,8 +48,8 @@ class FeaturesConfig:
                                         "engine_workers": "[1, inf)", "engine_timeout_s": "[1, inf)"}
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"features.dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
+        if self.dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"features.dtype={self.dtype!r}: use auto (the target's) or one of {sorted(DTYPES)}")
         if self.topk < 1 or self.batch_size < 1:
             raise ValueError(f"features.topk={self.topk} and features.batch_size={self.batch_size} must be >= 1")
         if self.engine not in ("own", "vllm"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     fcfg = section(FeaturesConfig, dict(cfg["features"]), "features")
     dcfg = section(DataConfig, dict(cfg["distill"]["data"]), "distill.data")
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    if fcfg.dtype == "auto":  # the target's resolved dtype: EAGLE then trains on the states it drafts from
+        fcfg = replace(fcfg, dtype=tcfg.dtype)
     generated, out = Path(cfg["paths"]["generated_dir"]), Path(cfg["paths"]["features_dir"])
     check_outputs(cfg, locked={"paths.features_dir": out})
     stamp = generated / "FINGERPRINT"
