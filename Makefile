@@ -58,7 +58,7 @@ test: setup assets engine
 	$(BIN)/python -m pytest
 
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow and not engine"
+	$(BIN)/python -m pytest -m "not slow and not engine and not lossless_full"
 
 lint: setup
 	$(BIN)/ruff check src pipelines tests benchmarks

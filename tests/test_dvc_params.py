@@ -94,6 +94,22 @@ def test_every_item_names_a_config_section():
                 assert companion is None or f"decode.{companion}" in stage_params()[stage], (stage, companion)
 
 
+def test_the_compare_stage_watches_each_rival_it_runs():
+    """stage compare runs evals.compare's rivals: each one's item, the decode section its method drafts with and its
+    trained folder are in the stage's params and deps (a rival added to evals.compare must be added there too)."""
+    from .helpers.config import composed
+
+    cfg = composed()
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["compare"]
+    item, params = cfg["evals"]["compare"], stage_params()["compare"]
+    assert "eval.name=compare" in spec["cmd"] and "evals.compare" in params
+    assert f"decode.{item['method']}" in params and f"models/{item['method']}" in spec["deps"]
+    for rival in item["rivals"]:
+        method = cfg["evals"][rival]["method"]
+        assert {f"evals.{rival}", f"decode.{method}"} <= set(params), rival
+        assert f"models/{rival}" in spec["deps"], rival  # the item's folder: evals.<rival>.decode.path or train@<m>
+
+
 def test_every_metrics_and_plots_output_is_under_its_experiment():
     """Experiments never overwrite each other: each stage's metrics and plots outputs (and the report's reads) live
     under metrics/${experiment_name}/ and plots/${experiment_name}/, as paths.metrics_dir / plots_dir say."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,11 +21,10 @@ from specdistill.stages import train as train_stage
 from specdistill.training.eagle import EagleModule, step_pairs, unroll
 from specdistill.training.losses import build_loss
 
-from .helpers.decoding import PROMPTS, FeatureBigramVerifier, exact_marginals, plain_greedy, tables, tree_paths
-from .helpers.drafts import EAGLE_LAYERS, bigram_head, random_head, target_features
+from .helpers.decoding import PROMPTS, plain_greedy, tree_paths
+from .helpers.drafts import EAGLE_LAYERS, random_head, target_features
 from .helpers.evaluate import eagle_eval_config, greedy_texts
 from .helpers.models import make_model
-from .helpers.stats import chi2_p
 from .helpers.train import composed, overrides
 
 # --- alignment --------------------------------------------------------------------------------------
@@ -196,19 +194,6 @@ def test_a_head_that_agrees_with_the_target_is_fully_accepted(tiny_tokenizer):
     res = speculative_generate(ver, proposer, PROMPTS[0], 17, stops=set())
     assert res.tokens == [0] * 17 == plain_greedy(target, PROMPTS[0], 17)
     assert [r.accepted for r in res.rounds] == [3, 3, 3, 3] and res.tau == 17 / 5
-
-
-@pytest.mark.usefixtures("one_thread")
-def test_dynamic_tree_sampling_is_lossless():
-    """Temperature 1, EAGLE-2 dynamic tree on a bigram target whose 'state' of a token is its one-hot vector."""
-    table, _ = tables()
-    proposer = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=4),
-                             capacity=16)
-    ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
-    draws = np.array([speculative_generate(ver, proposer, [0], 3, set(), sampling, gen).tokens for _ in range(20_000)])
-    exact = exact_marginals(table, table[0], sampling, 3)
-    for pos in (1, 2):
-        assert chi2_p(draws[:, pos], exact[pos]) > 1e-3, pos
 
 
 def test_eagle31_flags_norm_each_fused_layer_and_carry_the_normed_state(target):

@@ -1,4 +1,4 @@
-"""eval.rivals: EAGLE-3, EAGLE-3.1 and DFlash in one evaluate run (evaluate@compare), on the tiny target.
+"""eval.rivals: EAGLE-3, EAGLE-3.1 and DFlash in one evaluate run (stage compare), on the tiny target.
 
 Each rival drafts as its own evaluate item says, on the run's prompts, interleaved with the method's rows and measured
 against the same AR; every row writes the target's greedy text at T = 0; the record, its headline and the report name
@@ -84,13 +84,15 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
 
 @pytest.mark.parametrize("change,message", [
     ({"rivals": ["nope"]}, r"eval.rivals: 'nope' is no evaluate item"),
-    ({"rivals": ["lookup"], "beside": ["lookup"]}, r"\['lookup'\] would share a row's name"),
-    ({"rivals": ["compare"]}, r"\['compare'\] would share a row's name"),
+    ({"rivals": ["lookup"], "beside": ["lookup"]}, r"\['lookup'\] would share a name"),
+    ({"rivals": ["compare"]}, r"\['compare'\] would share a name"),
+    ({"rivals": ["tau"]}, r"\['tau'\] would share a name"),  # the headline's own figure
+    ({"rivals": ["eagle31", "eagle31"]}, r"names an item twice"),
     ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "max_new_tokens": 4}},
      r"evals.eagle31 sets \['max_new_tokens'\] apart from this run's"),
     ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "depth": 2}},
      r"evals.eagle31 sets \['depth'\], which a rival does not run"),
-    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "nope"}}, r"method='nope'"),
+    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "nope"}}, r"evals\.eagle31\.method='nope'"),
 ])
 def test_a_rival_that_cannot_share_the_run_fails_before_the_target_loads(compare_cfg, monkeypatch, change, message):
     from specdistill.stages import evaluate as evaluate_stage
@@ -121,3 +123,38 @@ def test_wandb_summarises_each_rival_beside_the_run(tmp_path, compare_cfg, monke
             assert run.summary[f"eval/mtbench/T0/{r}/tau"] == s["tau"]
             assert run.summary[f"eval/mtbench/T0/{r}/speedup"] == s["speedup"]
         assert run.summary["eval/mtbench/T0/tau"] == metrics["results"]["mtbench"]["T0"]["spec"]["tau"]
+
+
+def test_a_rival_follows_what_the_run_measures(compare_cfg):
+    """A measurement key set on the run's own item (evals.compare) reaches its rivals: it is the run's, not theirs."""
+    from specdistill.config import section
+    from specdistill.stages.evaluate import EvalConfig, eval_item, rival_item
+
+    cfg = {**compare_cfg, "evals": {**compare_cfg["evals"],
+                                    "compare": {**compare_cfg["evals"]["compare"], "max_new_tokens": 5,
+                                                "temperatures": [0.0]}}}
+    ecfg = section(EvalConfig, eval_item(cfg), "eval")
+    rc, dec = rival_item(cfg, ecfg, "dflash")
+    assert (rc.max_new_tokens, rc.temperatures, rc.method, dec.k) == (5, [0.0], "dflash", 3)
+
+
+def test_the_report_reads_records_without_rivals_and_rivals_missing_a_setting(tmp_path, compare_cfg):
+    """Records written before eval.rivals have no `rivals`; a rival row missing at one setting is left out there."""
+    import copy
+
+    from specdistill.reporting.tables import head_to_head, results_table, time_split
+    from specdistill.stages import evaluate as evaluate_stage
+
+    metrics = evaluate_stage.run(compare_cfg)
+    old = copy.deepcopy(metrics)
+    del old["settings"]["rivals"]
+    for temps in old["results"].values():
+        for m in temps.values():
+            m.pop("eagle31"), m.pop("dflash")
+    assert head_to_head({"eagle": old}) == [] and "| eagle | mtbench/T0 |" in "\n".join(time_split({"eagle": old}))
+    gap = copy.deepcopy(metrics)
+    del gap["results"]["mtbench"]["T1"]["dflash"]
+    table = "\n".join(head_to_head({"compare": gap}))
+    assert "| dflash | DFlash block of 5, chain K=3 (100 tokens) | mtbench/T0 |" in table
+    assert "| dflash | DFlash block of 5, chain K=3 (100 tokens) | mtbench/T1 |" not in table
+    assert "speculative (dflash)" not in "\n".join(results_table({"compare": gap}, "mtbench", "T1"))

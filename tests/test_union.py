@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,10 +15,9 @@ from specdistill.decoding.union import UnionProposer, merge
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.models.medusa_tree import grow_tree
 
-from .helpers.decoding import FeatureBigramVerifier, V, exact_marginals, plain_greedy, tables, tree_paths
-from .helpers.drafts import bigram_head, random_head, random_heads
+from .helpers.decoding import V, plain_greedy, tree_paths
+from .helpers.drafts import random_head, random_heads
 from .helpers.evaluate import eagle_eval_config, greedy_texts
-from .helpers.stats import chi2_p
 
 
 def test_merge_is_the_union_of_the_trees_paths():
@@ -97,24 +95,6 @@ def test_greedy_medusa_plus_lookup_equals_plain_greedy(target):
         assert res.tokens == plain_greedy(target, prompt, 24), prompt
         grew += sum(r.draft_len > 6 for r in res.rounds)
     assert grew > 0
-
-
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("branches", [1, 2])
-def test_eagle_plus_lookup_sampling_is_lossless(branches):
-    """Temperature 1: an EAGLE-2 dynamic tree and a lookup chain (or two sibling chains) merged; the prompt
-    repeats so lookup drafts."""
-    table, _ = tables()
-    eagle = EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3),
-                          capacity=32)
-    union = UnionProposer(eagle, PromptLookupProposer(k=3, branches=branches))
-    # lookup's first draft: 5 1 3 (after "0 3"), and with two branches also 2 0 3 (after the later "3")
-    prompt = [0, 3, 5, 1, 3, 2, 0, 3]
-    ver, sampling, gen = FeatureBigramVerifier(table), SamplingConfig(1.0), torch.Generator().manual_seed(1)
-    draws = np.array([speculative_generate(ver, union, prompt, 4, set(), sampling, gen).tokens for _ in range(20_000)])
-    exact = exact_marginals(table, table[prompt[-1]], sampling, 4)
-    for pos in (1, 2, 3):
-        assert chi2_p(draws[:, pos], exact[pos]) > 1e-3, pos
 
 
 def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):

@@ -4,7 +4,7 @@ instead of one pass per sequence per epoch (and per run of a sweep).
 The `features` stage writes, beside each generate-stage shard, `<features_dir>/<split>/shard-XXXXX.safetensors`:
 
 - `features` [sum(p'+r'), F]: the HiddenTap states of `layers` side by side (F = H * len(layers)) at every
-  kept position of each row, in the target's compute dtype (bf16 by default, as the live path feeds them);
+  kept position of each row, in `features.dtype` (auto: the target's compute dtype, as the live path feeds them);
 - `topk_ids` [sum(r'), k] int32 / `topk_logprobs` [sum(r'), k] float32: the target's top-k log-probs at
   temperature 1 for each kept response token (row j: the distribution of response token j);
 - `prompt_kept`, `response_kept` [n] int64 and the row ids (metadata): p', r' are the spans the train

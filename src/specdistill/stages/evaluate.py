@@ -56,7 +56,7 @@ class EvalConfig:
     beside: list[str] = field(default_factory=list)
     branch: str | None = None
     # rivals: other evaluate items (keys of `evals`) whose drafts run in this same run beside the method's, on the
-    # same prompts, interleaved, against the same AR: a head-to-head without the drift between runs (evaluate@compare:
+    # same prompts, interleaved, against the same AR: a head-to-head without the drift between runs (stage compare:
     # EAGLE-3 against EAGLE-3.1 and the block drafter). A rival drafts as its own item says (its method, decode, k,
     # tree); what the run measures (prompts, tokens, temperatures) is this item's
     rivals: list[str] = field(default_factory=list)
@@ -81,11 +81,15 @@ class EvalConfig:
         if self.depth == "auto" and self.width is not None:
             raise ConfigError(f"eval.depth=auto chooses the width too: drop eval.width={self.width}, or set a depth")
         if clash := set(self.rivals) & ({*ROWS, *self.beside, self.name or self.method}):
-            raise ConfigError(f"eval.rivals={self.rivals}: {sorted(clash)} would share a row's name with the method, "
-                              f"a companion beside it or one of {ROWS}: name another evaluate item")
+            raise ConfigError(f"eval.rivals={self.rivals}: {sorted(clash)} would share a name with the run, a "
+                              f"companion beside it, a row or a headline figure ({ROWS}): name another evaluate item")
+        if len(set(self.rivals)) < len(self.rivals):
+            raise ConfigError(f"eval.rivals={self.rivals} names an item twice: list each once")
 
 
-ROWS = ("ar", "spec", "hf_generate", "hf_assisted")  # the rows every run may have; companions and rivals add theirs
+# the rows every run may have (companions and rivals add theirs) and the headline's own figures (a rival's sit
+# beside them under its name)
+ROWS = ("ar", "spec", "hf_generate", "hf_assisted", "tau", "speedup")
 # what a rival must share with the item it runs in: the run's measurement, not the draft
 SHARED = ("datasets", "num_prompts", "split", "max_new_tokens", "temperatures", "top_p", "top_k", "capacity", "seed")
 
@@ -119,8 +123,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # the method's own proposer and its companions' (missing heads, trees or corpora fail here, before any decoding)
     drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
     drafts = {n: methods.get(n, "evaluate").draft(ecfg, target, d) for n, d in companions.items()}
-    rival_drafts = {r: methods.get(rc.method, "evaluate", f"evals.{r}.method").draft(rc, target, rd)
-                    for r, (rc, rd) in rivals.items()}
+    rival_drafts = {r: methods.get(rc.method, "evaluate").draft(rc, target, rd) for r, (rc, rd) in rivals.items()}
     max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, drafting.max_depth,
                   *(d.max_depth for d in drafts.values()),
                   *(rc.tree and len(rc.tree) or rc.k for rc, _ in rivals.values()),
@@ -167,6 +170,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         log_wandb(wb, metrics)
     for ds_name, temps in metrics["results"].items():
         for temp, m in temps.items():
+            for r in (r for r in rivals if r in m):
+                log.info("%s %s: rival %s: tau %.2f, speed-up %.2fx over AR", ds_name, temp, r, m[r].get("tau", 1),
+                         m[r].get("speedup", 0))
             spec = m["spec"]
             log.info("%s %s: tau %.2f, speed-up %.2fx over AR (%.1f vs %.1f tok/s)%s", ds_name, temp,
                      spec.get("tau", 1), spec.get("speedup", 0), spec["tokens_per_s"], m["ar"]["tokens_per_s"],
@@ -196,16 +202,20 @@ def rival_item(cfg: dict[str, Any], ecfg: EvalConfig, rival: str) -> tuple[EvalC
     if rival not in (cfg.get("evals") or {}):
         raise ConfigError(f"eval.rivals: {rival!r} is no evaluate item: use keys of evals "
                           f"({sorted(cfg.get('evals') or {})})")
-    own = ("beside", "branch", "rivals", "depth", "width")  # only the rival item's own: the run's are not its
-    shared = {k: v for k, v in cfg["eval"].items() if k not in own}
-    rc = section(EvalConfig, eval_item({**cfg, "eval": {**shared, "name": rival, "method": None}}), f"evals.{rival}")
+    item = cfg["evals"][rival] or {}
+    methods.get(item.get("method"), "evaluate", f"evals.{rival}.method")
+    own = ("beside", "branch", "rivals", "depth", "width")  # a rival runs none of these: only its item may set them
+    # the run's measurement (its item's keys included) under the rival's item: a key the item sets apart is refused
+    base = {**{k: v for k, v in cfg["eval"].items() if k not in own}, **{k: getattr(ecfg, k) for k in SHARED},
+            "name": rival, "method": None}
+    rc = section(EvalConfig, eval_item({**cfg, "eval": base}), f"evals.{rival}")
     if extra := [k for k in own if getattr(rc, k) not in (None, [])]:
         raise ConfigError(f"eval.rivals: evals.{rival} sets {extra}, which a rival does not run (it drafts with its "
                           "own method, decode, k and tree only): name an item without them")
     if differ := [k for k in SHARED if getattr(rc, k) != getattr(ecfg, k)]:
         raise ConfigError(f"eval.rivals: evals.{rival} sets {differ} apart from this run's "
                           f"({', '.join(f'{k}={getattr(ecfg, k)!r}' for k in differ)}): a rival measures on the "
-                          "run's prompts and settings: set them alike (in eval, or on both items)")
+                          f"run's prompts and settings: drop them from evals.{rival}")
     return rc, methods.decode_settings(cfg, rc.method, rc.decode)
 
 
@@ -289,7 +299,7 @@ def log_wandb(run: Any, metrics: dict[str, Any]) -> None:
     rivals = list(metrics["settings"].get("rivals") or {})
     for ds_name, temps in metrics["results"].items():
         for temp, m in temps.items():
-            for r in rivals:  # each rival's figures under its item's name, beside the run's own
+            for r in (r for r in rivals if r in m):  # each rival's figures under its item's name, beside the run's
                 ci = m[r].get("speedup_ci95") or [None, None]
                 run.summary.update({f"eval/{ds_name}/{temp}/{r}/tau": m[r].get("tau"),
                                     f"eval/{ds_name}/{temp}/{r}/speedup": m[r].get("speedup"),
