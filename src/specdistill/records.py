@@ -55,9 +55,9 @@ def headline_of_evaluation(metrics: dict[str, Any]) -> dict[str, Any]:
     under its item's name."""
     out: dict[str, Any] = {}
     rivals = (metrics.get("settings") or {}).get("rivals") or {}
+    head = lambda row: {k: row[k] for k in ("tau", "speedup") if k in row}  # noqa: E731
     for ds, temps in metrics["results"].items():
         for temp, rows in temps.items():
-            head = lambda row: {k: row[k] for k in ("tau", "speedup") if k in row}  # noqa: E731
             out.setdefault(ds, {})[temp] = {**head(rows.get("spec", {})),
                                             **{r: head(rows[r]) for r in rivals if r in rows}}
     return out

@@ -49,6 +49,11 @@ def depth_cap(settings: dict[str, Any]) -> str:
     return words + (" (auto)" if auto else "")
 
 
+def draft_share(s: dict[str, Any]) -> float | None:
+    """The draft's seconds over draft + verification of one speculative row; None where the run timed no draft."""
+    return s["draft_s"] / (s["draft_s"] + s["verify_s"]) if "draft_s" in s else None
+
+
 def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     """Seconds in the draft and in target verification per speculative run: where a draft's cost shows."""
     lines = ["| evaluated | setting | draft parameters | draft s | verify s | draft share | tau | "
@@ -57,12 +62,11 @@ def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     for name, dataset, temp, m in settings(all_metrics):
         for row, label, record in drafted(name, all_metrics[name]):  # the method's draft, then each rival's
             s = m.get(row, {})
-            if "draft_s" not in s:
+            if (share := draft_share(s)) is None:
                 continue
-            total = s["draft_s"] + s["verify_s"]
             params = record["settings"].get("draft_parameters")
             lines.append(f"| {label} | {dataset}/{temp} | {f'{params / 1e6:.1f}M' if params else '–'} | "
-                         f"{s['draft_s']:.2f} | {s['verify_s']:.2f} | {s['draft_s'] / total:.0%} | "
+                         f"{s['draft_s']:.2f} | {s['verify_s']:.2f} | {share:.0%} | "
                          f"{_fmt(s.get('tau'))} | {speedup_cell(s)} |")
     return lines
 
@@ -90,8 +94,7 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
                     s = m.get(row)
                     if not s:
                         continue
-                    a = alphas(s) + [None] * shown
-                    share = s["draft_s"] / (s["draft_s"] + s["verify_s"]) if s.get("draft_s") is not None else None
+                    a, share = alphas(s) + [None] * shown, draft_share(s)
                     lines.append(f"| {label} | {draft_label(record)[0]} | {dataset}/{temp} | {_fmt(s.get('tau'))} | "
                                  + " | ".join(_fmt(x) for x in a[:shown])
                                  + f" | {f'{share:.0%}' if share is not None else '–'} | {speedup_cell(s)} |")

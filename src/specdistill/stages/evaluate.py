@@ -124,10 +124,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
     drafts = {n: methods.get(n, "evaluate").draft(ecfg, target, d) for n, d in companions.items()}
     rival_drafts = {r: methods.get(rc.method, "evaluate").draft(rc, target, rd) for r, (rc, rd) in rivals.items()}
-    max_pos = max(ecfg.tree and len(ecfg.tree) or ecfg.k, drafting.max_depth,
-                  *(d.max_depth for d in drafts.values()),
-                  *(rc.tree and len(rc.tree) or rc.k for rc, _ in rivals.values()),
-                  *(d.max_depth for d in rival_drafts.values()))
+    reach = lambda e, d: max(e.tree and len(e.tree) or e.k, d.max_depth)  # noqa: E731 (positions a draft can reach)
+    max_pos = max([reach(ecfg, drafting), *(d.max_depth for d in drafts.values()),
+                   *(reach(rc, rival_drafts[r]) for r, (rc, _) in rivals.items())])
     ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
                                              ecfg.capacity, max_pos)
     spec = drafting.proposer
