@@ -18,7 +18,7 @@ import torch
 from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine
+from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine, run_engines
 from specdistill.engine.serving import engine_counts
 from specdistill.export.eagle3 import export_eagle3
 from specdistill.export.medusa import export_medusa
@@ -131,13 +131,15 @@ def test_engine_greedy_and_acceptance_match_ours(served):
              "prompts": plist}, {"name": "c4", "concurrency": 4, "temperature": 0.0, "max_tokens": NEW,
                                   "ignore_eos": True, "prompts": plist}]
     job = {"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs}
-    base = run_engine(job)
-    spec = run_engine({**job, "speculative_config": {"method": "eagle3", "model": str(served["eagle"]),
-                                                     "num_speculative_tokens": K}})
+    # as the serve stage starts them: one worker process, one engine after another (the engine alone again last)
+    base, spec, again = run_engines([job, {**job, "speculative_config": {
+        "method": "eagle3", "model": str(served["eagle"]), "num_speculative_tokens": K}}, job])
     want = [greedy(model, p) for p in plist]
     ours_tokens, drafts, per_pos = ours_chain(model, head, plist)
     assert ours_tokens == want
-    for res in (base, spec):
+    assert all(r["stop_s"] >= 0 for r in (base, spec, again))
+    assert again["runs"][0]["spec"]["vllm:spec_decode_num_drafts"] == 0  # no speculation, none counted
+    for res in (base, spec, again):
         for run in res["runs"]:
             assert [r["token_ids"] for r in run["requests"]] == want, run["name"]
     c1 = spec["runs"][0]["spec"]

