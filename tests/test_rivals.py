@@ -71,8 +71,8 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
     metrics = evaluate_stage.run(compare_cfg)
     table = "\n".join(head_to_head({"compare": metrics}))
     assert "## Head to head" in table and "| `compare`: drafter |" in table
-    for row in ("| compare | eagle3, dynamic tree 5 nodes", "| eagle31 | eagle3.1, dynamic tree 5 nodes",
-                "| dflash | DFlash block of 5, chain K=3"):
+    for row in ("| eagle (`compare`'s own) | eagle3, dynamic tree 5 nodes",
+                "| eagle31 | eagle3.1, dynamic tree 5 nodes", "| dflash | DFlash block of 5, chain K=3"):
         assert table.count(row) == 2, row  # one row per drafter and setting: mtbench at T = 0 and 1
     details = "\n".join(results_table({"compare": metrics}, "mtbench", "T0"))
     assert "| compare | speculative (dflash) | DFlash block of 5, chain K=3" in details

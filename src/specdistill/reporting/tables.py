@@ -94,6 +94,8 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
                     s = m.get(row)
                     if not s:
                         continue
+                    if row == "spec" and metrics.get("method", name) != name:  # the run's own draft: its method
+                        label = f"{metrics['method']} (`{name}`'s own)"
                     a, share = alphas(s) + [None] * shown, draft_share(s)
                     lines.append(f"| {label} | {draft_label(record)[0]} | {dataset}/{temp} | {_fmt(s.get('tau'))} | "
                                  + " | ".join(_fmt(x) for x in a[:shown])
