@@ -11,7 +11,7 @@ from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.errors import ConfigError
-from specdistill.evaluation.autotune import Capped, Pilot, Round, chain_tree, predict, verify_seconds
+from specdistill.evaluation.autotune import Capped, Pilot, Round, chain_tree, choose, predict, verify_seconds
 from specdistill.records import read_record
 from specdistill.stages import evaluate as evaluate_stage
 
@@ -42,6 +42,22 @@ def test_cheap_verification_chooses_deep_and_costly_verification_chooses_plain_a
     weak = pilot([0, 0, 0, 1, 0, 0], 0.3, 3)  # a weak draft on a CPU where every node costs (AVX2, bf16 emulated)
     slow = predict(weak, pilot([0, 0, 1], 0.1, 1), 3, {0: 1.0, 1: 1.9, 3: 3.5})
     assert max(slow, key=lambda d: slow[d]["speedup"]) == "0" and all(slow[d]["speedup"] < 1 for d in "123")
+
+
+def test_the_choice_is_the_cheapest_shape_within_one_standard_error_of_the_best():
+    # 6 rounds of a chain of 3: depth 3 predicts best, but the pilot's spread puts depths 1 and 2 within its error
+    deep, shallow = pilot([0, 1, 2, 3, 3, 2], 0.02, 3), pilot([0, 1, 1], 0.01, 1)
+    p = predict(deep, shallow, 3, {0: 1.0, 1: 1.0, 3: 1.02})
+    assert max(p, key=lambda d: p[d]["speedup"]) == "3" and p["3"]["speedup_se"] > 0 and p["0"]["speedup_se"] == 0
+    floor = p["3"]["speedup"] - p["3"]["speedup_se"]
+    within = [d for d in p if p[d]["speedup"] >= floor]
+    assert choose(p) == min(within, key=lambda d: p[d]["round_s"]) and choose(p) != "3"
+    # the same acceptance over 60 times the rounds: the error shrinks below the gaps and the best is chosen
+    many = predict(pilot([0, 1, 2, 3, 3, 2] * 60, 0.02, 3), shallow, 3, {0: 1.0, 1: 1.0, 3: 1.02})
+    assert choose(many) == "3"
+    # a draft whose best barely clears AR, within its own error: plain AR, the cheapest shape
+    weak = predict(pilot([0, 0, 0, 2, 0, 0], 0.01, 3), pilot([0, 0, 1], 0.01, 1), 3, {0: 1.0, 1: 1.0, 3: 1.02})
+    assert max(weak[d]["speedup"] for d in weak) > 1 and choose(weak) == "0"
 
 
 def binary(depth):
@@ -133,7 +149,8 @@ def test_the_evaluate_stage_chooses_the_depth_it_predicts_best_on_dev_prompts(tm
     metrics = evaluate_stage.run(cfg)
     auto = read_record(tmp_path / "metrics/draft.json")["settings"]["auto_depth"]
     pred = {int(d): p["speedup"] for d, p in auto["predicted"].items()}
-    assert sorted(pred) == [0, 1, 2, 3] and auto["depth"] == max(pred, key=pred.get)
+    assert sorted(pred) == [0, 1, 2, 3] and auto["choice"] == choose(auto["predicted"]) == str(auto["depth"])
+    assert auto["best_predicted"] == str(max(pred, key=pred.get)) and auto["rule"] == "one standard error"
     assert auto["pilot_prompts"] == 1 and auto["verify_s"]["0"] > 0 and auto["pilot_rounds"] > 0
     m = metrics["results"]["mtbench"]["T0"]["spec"]
     assert all(f"alpha_pos{k}" not in m for k in range(auto["depth"] + 1, 5))  # nothing drafted past the cap
@@ -148,7 +165,7 @@ def test_for_a_tree_the_stage_chooses_a_width_too_and_decodes_with_it(tmp_path, 
     auto = read_record(tmp_path / "metrics/draft.json")["settings"]["auto_depth"]
     pred = auto["predicted"]
     assert {"0", "1w1", "1w2", "1", "2w1", "2w2", "2"} <= set(pred)  # every depth at every width below 3
-    assert auto["choice"] == max(pred, key=lambda k: pred[k]["speedup"])
+    assert auto["choice"] == choose(pred)
     assert (pred[auto["choice"]]["depth"], pred[auto["choice"]]["width"]) == (auto["depth"], auto["width"])
     assert pred["2w1"]["nodes"] <= 2 and pred["2"]["nodes"] > pred["2w2"]["nodes"]  # 3 + 6 nodes against 2 + 4
     cfg["eval"]["width"] = 1

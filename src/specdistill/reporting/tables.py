@@ -173,8 +173,9 @@ def auto_depth_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
              "Measured at the start of the run (evaluation/autotune.py): the target's verification seconds per node "
              "count and a pilot on dev prompts; predicted speed-up per shape = tau(d, w) x t_verify(0) / "
              "(t_draft(d) + t_verify(nodes(d, w))), for depth d (0 = plain AR) and width w (\"2w1\": depth 2 of "
-             "the first children only, a chain; \"2\": depth 2 at the method's own width). The chosen shape was then "
-             "evaluated on the test prompts.", "",
+             "the first children only, a chain; \"2\": depth 2 at the method's own width). Chosen: the best "
+             "prediction, or where marked 1-SE the cheapest shape within one standard error (the pilot's) of it; it "
+             "was then evaluated on the test prompts.", "",
              "| evaluated | predicted speed-up by shape | chosen | predicted | measured (per setting) | pilot |",
              "|---|---|---|---|---|---|"]
     for name, m in runs.items():
@@ -183,6 +184,7 @@ def auto_depth_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
         measured = ", ".join(f"{ds}/{t}: {speedup_cell(s['spec'], interval=False)}"
                              for ds, temps in m["results"].items() for t, s in temps.items())
         choice = a.get("choice", str(a["depth"]))  # records before widths were chosen name the depth only
-        lines.append(f"| {name} | {pred} | {choice} | {a['predicted'][choice]['speedup']:.2f}x | "
+        rule = " (1-SE)" if a.get("rule") == "one standard error" else ""  # records before the rule: the best
+        lines.append(f"| {name} | {pred} | {choice}{rule} | {a['predicted'][choice]['speedup']:.2f}x | "
                      f"{measured} | {a['pilot_rounds']} rounds, {a['seconds']:.0f} s |")
     return lines + [""]
