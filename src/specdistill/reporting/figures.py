@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from specdistill.reporting import alphas, chained_tau, settings  # noqa: E402
+from specdistill.reporting import alphas, chained_tau, drafted, settings  # noqa: E402
 
 plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 9})
 
@@ -84,26 +84,32 @@ def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) ->
 
 
 def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
-    """Per panel, a horizontal bar per evaluated run: its speculative speed-up over AR in the same run, with the
-    95% interval over prompts; HF generate (the library baseline of each run) as a grey tick."""
+    """Per panel, a horizontal bar per evaluated run and per rival drafted in it (eval.rivals, "run: rival", hatched
+    in the run's colour): its speculative speed-up over AR in the same run, with the 95% interval over prompts; HF
+    generate (the library baseline of each run) as a grey tick."""
     keys, colour = panels(all_metrics)
-    names = sorted(all_metrics)
-    fig, axes = grid(keys, width=4.6, height=0.42 * len(names) + 1.4, sharex=False)
+    rows = [(name, row, name if row == "spec" else f"{name}: {row}")
+            for name in sorted(all_metrics) for row, *_ in drafted(name, all_metrics[name])]
+    labels = [label for *_, label in rows]
+    fig, axes = grid(keys, width=4.6, height=0.42 * len(labels) + 1.4, sharex=False)
     for name, dataset, temp, m in settings(all_metrics):
-        ax, y = axes[(dataset, temp)], names.index(name)
-        s = m.get("spec")
-        if s and "speedup" in s:
-            v = s["speedup"]
-            lo, hi = s.get("speedup_ci95") or (v, v)
-            # clamped because matplotlib refuses negative error bars (an interval from older metrics can miss its point)
-            ax.barh(y, v, xerr=[[max(0.0, v - lo)], [max(0.0, hi - v)]], color=colour[name], capsize=3)
-            ax.text(max(v, hi) + 0.03, y, f"{v:.2f}x", va="center", fontsize=8)
+        ax = axes[(dataset, temp)]
+        for run, row, label in rows:
+            s, y = m.get(row) if run == name else None, labels.index(label)
+            if s and "speedup" in s:
+                v = s["speedup"]
+                lo, hi = s.get("speedup_ci95") or (v, v)
+                # clamped: matplotlib refuses negative error bars (an interval from older metrics can miss its point)
+                ax.barh(y, v, xerr=[[max(0.0, v - lo)], [max(0.0, hi - v)]], color=colour[name], capsize=3,
+                        hatch="//" if row != "spec" else None, edgecolor="white" if row != "spec" else None)
+                ax.text(max(v, hi) + 0.03, y, f"{v:.2f}x", va="center", fontsize=8)
         if "speedup" in m.get("hf_generate", {}):
+            y = labels.index(name)
             ax.plot([m["hf_generate"]["speedup"]] * 2, [y - 0.4, y + 0.4], color="dimgray", lw=2,
                     label="HF generate (same run)")
     for ax in axes.values():
         ax.axvline(1.0, color="black", lw=0.8)
-        ax.set_yticks(range(len(names)), names)
+        ax.set_yticks(range(len(labels)), labels)
         ax.invert_yaxis()
         ax.set_xlabel("tokens/s over our AR loop")
         ax.set_xlim(0, max(2.0, ax.get_xlim()[1] + 0.2))
