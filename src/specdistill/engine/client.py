@@ -156,7 +156,8 @@ def run_engines(jobs: list[dict[str, Any]], *, root: str | Path | None = None, t
                 iomp: bool = True, multiprocessing: bool = False, timeout_s: float = 3600,
                 log_path: str | Path | None = None, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Serve jobs one after another in one worker process, each its own engine (started, measured, shut down), so
-    the worker imports vLLM once for all of them; their results in order. `timeout_s` is per engine."""
+    the worker imports vLLM once for all of them; their results in order. The worker gets `timeout_s` for each
+    engine, as one budget for all of them (a slow engine may use what a fast one left)."""
     if not jobs:
         return []
     result = EngineProcess({"engines": jobs}, root=root, threads=threads, iomp=iomp, multiprocessing=multiprocessing,

@@ -351,14 +351,19 @@ def main(job_path: str, result_path: str) -> None:
     fixes = check_cpu_fixes()
     about = {"vllm": vllm.__version__, "torch": torch.__version__, "fixes": fixes}
     if "engines" in job:  # serve jobs one after another, each its own engine, in this one process
+        from vllm.platforms import current_platform
+
         engines = job["engines"]
-        if len(engines) > 1 and not hasattr(installed_fixes(), "register_overrides_once"):
+        if any("runs" not in sub for sub in engines):
+            raise SystemExit("a job of engines holds serve jobs only (each with `runs`)")
+        if len(engines) > 1 and current_platform.is_cpu() and not hasattr(installed_fixes(), "register_overrides_once"):
             raise SystemExit("starting engines one after another in one process needs specdistill's vLLM fixes "
                              "(engine-plugin/, 0.5 or later): run `make engine`")
+        for sub in engines:  # every engine's needs checked before the first one starts
+            check_medusa_fixes(sub.get("speculative_config"))
         results = []
         for i, sub in enumerate(engines):
             print(f"[engine] start {i + 1}/{len(engines)}: {sub.get('label', '')}", file=sys.stderr, flush=True)
-            check_medusa_fixes(sub.get("speculative_config"))
             t0 = time.perf_counter()
             llm = LLM(**engine_kwargs(sub))
             cold_start = time.perf_counter() - t0

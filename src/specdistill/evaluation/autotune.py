@@ -1,4 +1,4 @@
-"""`eval.depth=auto`: the draft shape (depth and width) that maximises expected tokens/s on this machine.
+"""`eval.depth=auto`: the draft shape (depth and width) for this machine, from its measured costs and a pilot.
 
 A speed-up is tau over what a round costs in plain decode steps, and both halves depend on the machine: verifying
 8 nodes cost 1.55x a plain step on this project's 2-core Zen 4 in bf16 with both threads, 0.93x with one thread
@@ -224,7 +224,7 @@ def choose(pred: dict[str, dict[str, Any]]) -> str:
     """The one-standard-error rule: of the shapes whose predicted speed-up is within one standard error of the best
     prediction's, the cheapest per round (plain AR first). A pilot of a few dozen rounds cannot tell such shapes
     apart, and the cheaper one spends less where the prediction errs (docs/findings.md: on the default EAGLE-3 head
-    the best prediction was depth 2 at 1.31x against depth 1 at 1.28x, with a standard error of 0.07, and depth 1
+    the best prediction was depth 2 at 1.31x against depth 1 at 1.28x, with a standard error of 0.08, and depth 1
     measured fastest)."""
     best = max(pred, key=lambda k: pred[k]["speedup"])  # ties: the first, i.e. the shallower and narrower
     floor = pred[best]["speedup"] - pred[best].get("speedup_se", 0.0)

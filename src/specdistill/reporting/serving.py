@@ -94,7 +94,8 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
                   "start cannot give (each step costs at least a target forward and yields tau tokens): the engine "
                   "alone was slowed in that start, e.g. by another process. " + ", ".join(
                       f"{method} {cell}" for method, cell in suspect[:8]) + (" ..." if len(suspect) > 8 else "")]
-    lines += ["", "Cold start of each engine (s): " + "; ".join(
+    lines += ["", "Cold start of each engine (s; where `stop_s` is recorded the starts shared one process, and "
+              "the first paid vLLM's lazy imports): " + "; ".join(
         f"{method}: " + ", ".join(f"{s} {v:.0f}" for s, v in m.get("cold_start_s", {}).items())
         for method, m in serve.items()), ""]
     lines += agreement_table(serve)
