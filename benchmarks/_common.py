@@ -19,6 +19,17 @@ def target_config(dtype: str, path: str | Path | None = None) -> dict[str, Any]:
     return {**cfg, "name_or_path": str(path or ROOT / cfg["name_or_path"]), "dtype": dtype}
 
 
+def engine_prompts(target: str | Path, n: int, prompts_dir: str | Path = ROOT / "data/prompts") -> list[list[int]]:
+    """The first turns of n MT-bench conversations as the serve stage encodes them for the engine (`chat_encoder`
+    with the exported target's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from specdistill.evaluation.prompts import chat_encoder, load_conversations
+
+    encode = chat_encoder(AutoTokenizer.from_pretrained(target))
+    return [encode([{"role": "user", "content": c.turns[0]}]) for c in load_conversations(prompts_dir, "mtbench", n)]
+
+
 def mtbench_first_turns(tok: Any, n: int,
                         prompts_dir: str | Path = ROOT / "data/prompts") -> list[tuple[str, list[int]]]:
     """(id, chat-templated token ids) of the first turns of n MT-bench conversations (the prepare stage's split)."""

@@ -17,24 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from _common import ROOT, engine_prompts
 
-from specdistill.engine.client import run_engine  # noqa: E402
+from specdistill.engine.client import run_engine
 from specdistill.hardware import environment
-
-
-def prompts(n: int, target: Path) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from specdistill.evaluation.prompts import chat_encoder, load_conversations
-
-    encode = chat_encoder(AutoTokenizer.from_pretrained(target))
-    return [encode([{"role": "user", "content": c.turns[0]}])
-            for c in load_conversations(ROOT / "data/prompts", "mtbench", n)]
 
 
 def main() -> None:
@@ -50,7 +38,7 @@ def main() -> None:
     ap.add_argument("--layout-only", action="store_true",
                     help="only the engine core's two layouts, with Intel OpenMP and both cores bound")
     args = ap.parse_args()
-    ps = prompts(args.prompts, args.target)
+    ps = engine_prompts(args.target, args.prompts)
     runs = [{"name": "mtbench", "concurrency": args.concurrency, "temperature": 0.0, "max_tokens": args.max_new_tokens,
              "prompts": ps, "ignore_eos": True}]
     if args.draft == "ngram":

@@ -18,15 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from _common import ROOT, engine_prompts
 
-from engine_env import prompts  # noqa: E402
-
-from specdistill.engine.client import SKIP_IDLE_DRAFTER, run_engine  # noqa: E402
+from specdistill.engine.client import SKIP_IDLE_DRAFTER, run_engine
 from specdistill.hardware import environment
 
 IDLE = {SKIP_IDLE_DRAFTER: "1"}
@@ -44,7 +40,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    ps = prompts(args.prompts, args.target)
+    ps = engine_prompts(args.target, args.prompts)
     runs = [{"name": f"c{c}", "concurrency": c, "temperature": 0.0, "max_tokens": args.max_new_tokens,
              "prompts": [ps[i % len(ps)] for i in range(max(len(ps), 2 * c))], "ignore_eos": True}
             for c in args.concurrency]

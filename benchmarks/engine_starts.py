@@ -17,25 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from _common import ROOT, engine_prompts
 
-from specdistill.engine.client import run_engine, run_engines  # noqa: E402
-from specdistill.hardware import environment  # noqa: E402
-
-
-def prompts(n: int, target: Path) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from specdistill.evaluation.prompts import chat_encoder, load_conversations
-
-    encode = chat_encoder(AutoTokenizer.from_pretrained(target))
-    return [encode([{"role": "user", "content": c.turns[0]}])
-            for c in load_conversations(ROOT / "data/prompts", "mtbench", n)]
+from specdistill.engine.client import run_engine, run_engines
+from specdistill.hardware import environment
 
 
 def main() -> None:
@@ -48,7 +36,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     runs = [{"name": "mtbench", "concurrency": 1, "temperature": 0.0, "max_tokens": args.max_new_tokens,
-             "prompts": prompts(args.prompts, args.target), "ignore_eos": True}]
+             "prompts": engine_prompts(args.target, args.prompts), "ignore_eos": True}]
     base = {"target": str(args.target), "dtype": args.dtype, "max_model_len": 2048, "runs": runs}
     jobs = [base, {**base, "speculative_config": {"method": "ngram", "num_speculative_tokens": args.k,
                                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]

@@ -323,15 +323,35 @@ def serve(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
     return runs
 
 
-def release() -> None:
-    """What a shut-down engine leaves in this process (its model, KV cache and vLLM's distributed state) freed, so the
-    next engine can start here, as vLLM's own tests do between engines."""
-    import gc
-
+def serve_engines(engines: list[dict[str, Any]], about: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each serve job by an engine of its own, one after another in this process: started, served, shut down, and
+    what it leaves (model, KV cache, vLLM's distributed state) freed before the next starts, as vLLM's own tests do
+    between engines (`cleanup_dist_env_and_memory` collects the garbage too)."""
+    import torch
+    from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.platforms import current_platform
 
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    if any("runs" not in sub for sub in engines):
+        raise SystemExit("a job of engines holds serve jobs only (each with `runs`)")
+    if len(engines) > 1 and current_platform.is_cpu() and not hasattr(installed_fixes(), "register_overrides_once"):
+        raise SystemExit("starting engines one after another in one process needs specdistill's vLLM fixes "
+                         "(engine-plugin/, 0.5 or later): run `make engine`")
+    for sub in engines:  # every engine's needs checked before the first one starts
+        check_medusa_fixes(sub.get("speculative_config"))
+    results = []
+    for i, sub in enumerate(engines):
+        print(f"[engine] start {i + 1}/{len(engines)}: {sub.get('label', '')}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        llm = LLM(**engine_kwargs(sub))
+        result = {**about, "torch_threads": torch.get_num_threads(), "cold_start_s": time.perf_counter() - t0,
+                  "runs": serve(llm, sub)}
+        t0 = time.perf_counter()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
+        results.append({**result, "stop_s": time.perf_counter() - t0})
+    return results
 
 
 def write_result(result_path: str, result: dict[str, Any]) -> None:
@@ -350,31 +370,8 @@ def main(job_path: str, result_path: str) -> None:
 
     fixes = check_cpu_fixes()
     about = {"vllm": vllm.__version__, "torch": torch.__version__, "fixes": fixes}
-    if "engines" in job:  # serve jobs one after another, each its own engine, in this one process
-        from vllm.platforms import current_platform
-
-        engines = job["engines"]
-        if any("runs" not in sub for sub in engines):
-            raise SystemExit("a job of engines holds serve jobs only (each with `runs`)")
-        if len(engines) > 1 and current_platform.is_cpu() and not hasattr(installed_fixes(), "register_overrides_once"):
-            raise SystemExit("starting engines one after another in one process needs specdistill's vLLM fixes "
-                             "(engine-plugin/, 0.5 or later): run `make engine`")
-        for sub in engines:  # every engine's needs checked before the first one starts
-            check_medusa_fixes(sub.get("speculative_config"))
-        results = []
-        for i, sub in enumerate(engines):
-            print(f"[engine] start {i + 1}/{len(engines)}: {sub.get('label', '')}", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            llm = LLM(**engine_kwargs(sub))
-            cold_start = time.perf_counter() - t0
-            result = {**about, "torch_threads": torch.get_num_threads(), "cold_start_s": cold_start,
-                      "runs": serve(llm, sub)}
-            t0 = time.perf_counter()
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            release()
-            results.append({**result, "stop_s": time.perf_counter() - t0})
-        write_result(result_path, {"engines": results})
+    if "engines" in job:
+        write_result(result_path, {"engines": serve_engines(job["engines"], about)})
         return
     check_medusa_fixes(job.get("speculative_config"))
     t0 = time.perf_counter()

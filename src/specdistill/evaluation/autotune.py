@@ -228,8 +228,7 @@ def choose(pred: dict[str, dict[str, Any]]) -> str:
     measured fastest)."""
     best = max(pred, key=lambda k: pred[k]["speedup"])  # ties: the first, i.e. the shallower and narrower
     floor = pred[best]["speedup"] - pred[best].get("speedup_se", 0.0)
-    order = list(pred)
-    return min((k for k in pred if pred[k]["speedup"] >= floor), key=lambda k: (pred[k]["round_s"], order.index(k)))
+    return min((k for k in pred if pred[k]["speedup"] >= floor), key=lambda k: pred[k]["round_s"])  # ties: the first
 
 
 def choose_depth(model: Any, proposer: Any, depth: int, prompts: list[list[int]], temperatures: list[float],

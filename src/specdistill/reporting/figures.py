@@ -88,14 +88,14 @@ def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
     in the run's colour): its speculative speed-up over AR in the same run, with the 95% interval over prompts; HF
     generate (the library baseline of each run) as a grey tick."""
     keys, colour = panels(all_metrics)
-    rows = [(name, row, name if row == "spec" else f"{name}: {row}")
-            for name in sorted(all_metrics) for row, *_ in drafted(name, all_metrics[name])]
-    labels = [label for *_, label in rows]
+    rows = {name: [(row, name if row == "spec" else f"{name}: {row}") for row, *_ in drafted(name, metrics)]
+            for name, metrics in sorted(all_metrics.items())}
+    labels = [label for run in rows.values() for _, label in run]
     fig, axes = grid(keys, width=4.6, height=0.42 * len(labels) + 1.4, sharex=False)
     for name, dataset, temp, m in settings(all_metrics):
         ax = axes[(dataset, temp)]
-        for run, row, label in rows:
-            s, y = m.get(row) if run == name else None, labels.index(label)
+        for row, label in rows[name]:
+            s, y = m.get(row), labels.index(label)
             if s and "speedup" in s:
                 v = s["speedup"]
                 lo, hi = s.get("speedup_ci95") or (v, v)

@@ -82,7 +82,9 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
              "the figures differ by the drafts, not by the machine's drift between runs. alpha_k: accepted at draft "
              "position k given 1..k-1 accepted; draft share: the draft's seconds over draft + verification.", ""]
     for name, metrics in runs.items():
-        rows = drafted(name, metrics)
+        # the run's own draft is named by its method where the run's name is another
+        own = f"{metrics['method']} (`{name}`'s own)" if metrics.get("method", name) != name else name
+        rows = [(row, own if row == "spec" else label, record) for row, label, record in drafted(name, metrics)]
         shown = min(4, max((len(alphas(m.get(row, {}))) for temps in metrics["results"].values()
                             for m in temps.values() for row, *_ in rows), default=0))
         lines += [f"| `{name}`: drafter | draft | setting | tau | " +
@@ -94,8 +96,6 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
                     s = m.get(row)
                     if not s:
                         continue
-                    if row == "spec" and metrics.get("method", name) != name:  # the run's own draft: its method
-                        label = f"{metrics['method']} (`{name}`'s own)"
                     a, share = alphas(s) + [None] * shown, draft_share(s)
                     lines.append(f"| {label} | {draft_label(record)[0]} | {dataset}/{temp} | {_fmt(s.get('tau'))} | "
                                  + " | ".join(_fmt(x) for x in a[:shown])

@@ -83,9 +83,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                      timeout_s=scfg.timeout_s)
     settings = [("ar", None)] + [(f"k{k}", speculative_config(scfg, k, str(draft_dir))) for k in scfg.k]
     settings += [(AR_LAST, None)] if scfg.ar_bracket else []
-    for setting, spec in settings:
-        log.info("engine: %s (%s)", setting, spec or "no speculation")
     # one worker process starts the engines in turn: vLLM is imported once, not once per setting
+    log.info("engine: %s", "; ".join(f"{setting} ({spec or 'no speculation'})" for setting, spec in settings))
     jobs = [{**job(scfg, str(target_dir), prompts, stops, dtype, spec, max_model_len), "label": setting}
             for setting, spec in settings]
     results = dict(zip((s for s, _ in settings), run_engines(jobs, **engine_kw), strict=True))
