@@ -95,7 +95,9 @@ def main() -> None:
           f"verification ms by nodes: " + ", ".join(f"{n}: {s * 1000:.0f}" for n, s in auto["verify_s"].items()))
     if args.pilot_only:
         for label, p in auto["predicted"].items():
-            print(f"{label:6} tau {p['tau']:.3f}  nodes {p['nodes']:5.2f}  predicted {p['speedup']:.2f}x")
+            print(f"{label:6} tau {p['tau']:.3f}  nodes {p['nodes']:5.2f}  round {p['round_s'] * 1000:5.1f} ms  "
+                  f"predicted {p['speedup']:.2f}x (se {p['speedup_se']:.3f}, gap to the best's se "
+                  f"{p['se_vs_best']:.3f})")
         return
     shapes.setdefault(auto["choice"], (auto["depth"], auto["width"]))  # the chosen shape is always measured
 

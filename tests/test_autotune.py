@@ -45,19 +45,31 @@ def test_cheap_verification_chooses_deep_and_costly_verification_chooses_plain_a
 
 
 def test_the_choice_is_the_cheapest_shape_within_one_standard_error_of_the_best():
-    # 6 rounds of a chain of 3: depth 3 predicts best, but the pilot's spread puts depths 1 and 2 within its error
-    deep, shallow = pilot([0, 1, 2, 3, 3, 2], 0.02, 3), pilot([0, 1, 1], 0.01, 1)
+    # 6 rounds of a chain of 3; only one round reached the third token, so depth 3 leads depth 2 by less than the
+    # error of that gap: depth 2, the cheaper, is chosen
+    deep, shallow = pilot([0, 1, 2, 2, 2, 3], 0.02, 3), pilot([0, 1, 1], 0.01, 1)
     p = predict(deep, shallow, 3, {0: 1.0, 1: 1.0, 3: 1.02})
     assert max(p, key=lambda d: p[d]["speedup"]) == "3" and p["3"]["speedup_se"] > 0 and p["0"]["speedup_se"] == 0
-    floor = p["3"]["speedup"] - p["3"]["speedup_se"]
-    within = [d for d in p if p[d]["speedup"] >= floor]
-    assert choose(p) == min(within, key=lambda d: p[d]["round_s"]) and choose(p) != "3"
+    assert p["3"]["speedup"] - p["2"]["speedup"] <= p["2"]["se_vs_best"] < p["3"]["speedup"] - p["1"]["speedup"]
+    assert choose(p) == "2"
     # the same acceptance over 60 times the rounds: the error shrinks below the gaps and the best is chosen
-    many = predict(pilot([0, 1, 2, 3, 3, 2] * 60, 0.02, 3), shallow, 3, {0: 1.0, 1: 1.0, 3: 1.02})
+    many = predict(pilot([0, 1, 2, 2, 2, 3] * 60, 0.02, 3), shallow, 3, {0: 1.0, 1: 1.0, 3: 1.02})
     assert choose(many) == "3"
     # a draft whose best barely clears AR, within its own error: plain AR, the cheapest shape
     weak = predict(pilot([0, 0, 0, 2, 0, 0], 0.01, 3), pilot([0, 0, 1], 0.01, 1), 3, {0: 1.0, 1: 1.0, 3: 1.02})
     assert max(weak[d]["speedup"] for d in weak) > 1 and choose(weak) == "0"
+
+
+def test_the_gap_to_the_best_is_judged_by_its_own_paired_error_not_the_best_shapes_error():
+    # rounds accepting 0..3 tokens: depths 2 and 3 differ in two rounds only, so their gap is known far better than
+    # either speed-up; the best's own error (what the rule used before) would have kept depth 2
+    p = predict(pilot([0, 1, 2, 3, 3, 2], 0.02, 3), pilot([0, 1, 1], 0.01, 1), 3, {0: 1.0, 1: 1.0, 3: 1.02})
+    gap = p["3"]["speedup"] - p["2"]["speedup"]
+    assert p["2"]["se_vs_best"] < gap <= p["3"]["speedup_se"] and choose(p) == "3"
+    assert p["0"]["se_vs_best"] == pytest.approx(p["3"]["speedup_se"]) and p["3"]["se_vs_best"] == 0  # AR: exact
+    # a record from before the paired error: every gap against the best's own error
+    old = {k: {f: x for f, x in v.items() if f != "se_vs_best"} for k, v in p.items()}
+    assert choose(old) == "2"
 
 
 def binary(depth):

@@ -80,6 +80,11 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
     split = "\n".join(time_split({"compare": metrics}))
     assert all(f"| {r} | mtbench/T0 |" in split for r in ("compare", "eagle31", "dflash"))
     assert head_to_head({"eagle": {**metrics, "settings": {**metrics["settings"], "rivals": {}}}}) == []
+    # the record on disk has sorted keys (dflash before eagle31); the report lists the rivals as eval.rivals does
+    from specdistill.records import read_record
+
+    written = "\n".join(head_to_head({"compare": read_record(tmp_path / "metrics/compare.json")}))
+    assert written.index("| eagle31 | eagle3.1") < written.index("| dflash | DFlash")
 
 
 @pytest.mark.parametrize("change,message", [

@@ -50,11 +50,18 @@ def read_records(metrics_dir: Path, prefix: str = "") -> dict[str, dict[str, Any
     return {f.stem: read_record(f) for f in sorted(metrics_dir.glob(f"{prefix}*.json"))}
 
 
+def rival_names(settings: dict[str, Any] | None) -> list[str]:
+    """The rivals (eval.rivals) a run recorded, in the order the config listed them: records are written with sorted
+    keys, so each rival carries its place (`order`; records before it: their keys' order)."""
+    rivals = (settings or {}).get("rivals") or {}
+    return sorted(rivals, key=lambda r: rivals[r].get("order", 0))
+
+
 def headline_of_evaluation(metrics: dict[str, Any]) -> dict[str, Any]:
     """Per dataset and temperature: the speculative row's tau and speed-up over AR, and each rival's (eval.rivals)
     under its item's name."""
     out: dict[str, Any] = {}
-    rivals = (metrics.get("settings") or {}).get("rivals") or {}
+    rivals = rival_names(metrics.get("settings"))
     head = lambda row: {k: row[k] for k in ("tau", "speedup") if k in row}  # noqa: E731
     for ds, temps in metrics["results"].items():
         for temp, rows in temps.items():

@@ -19,10 +19,11 @@ at the start of an evaluation:
        tau(d, w) = 1 + mean over rounds of min(m_w, d)    (= 1 + sum_k prod_{i<=k} alpha_i for a chain)
        speed-up(d, w) = tau(d, w) * t_v(0) / (t_draft(d) + mean over rounds of t_v(nodes(d, w)))
    with t_draft linear in d between the two pilots (a width is pruned after drafting: it saves verification, not
-   drafting). Each prediction carries the pilot's standard error (tau's, over its rounds); the shape evaluated is the
-   cheapest per round among those within one standard error of the highest prediction (`choose`: the
-   one-standard-error rule, plain AR when the best does not clear AR by that much), and its prediction is kept beside
-   the measured speed-up. The depth cap is exact where drafting d levels gives the first d levels of the deep tree
+   drafting). Each prediction carries the pilot's standard error (tau's, over its rounds), and the standard error of
+   its gap to the highest prediction, paired over the rounds (the shapes are prunings of the same trees); the shape
+   evaluated is the cheapest per round among those whose gap is within that error (`choose`: the one-standard-error
+   rule, plain AR when the best does not clear AR by its own error), and its prediction is kept beside the measured
+   speed-up. The depth cap is exact where drafting d levels gives the first d levels of the deep tree
    (chains, static and top-k trees, lookup, Medusa); EAGLE-2's dynamic tree and suffix decoding re-spend their node
    budget on the kept levels, and DFlash drafts a shorter block whose slots see each other, so there the deployed
    tree at d < D can differ from the prediction's. Verification is timed on chains; a wider shape is verified under a
@@ -203,32 +204,44 @@ def predict(deep: Pilot, shallow: Pilot, depth: int, verify_s: dict[int, float])
     d1 = statistics.fmean(r.draft_s for r in shallow.rounds)
     dd = statistics.fmean(r.draft_s for r in deep.rounds)
     out: dict[str, dict[str, Any]] = {"0": {"depth": 0, "width": None, "tau": 1.0, "nodes": 0.0,
-                                            "round_s": verify_s[0], "speedup": 1.0}}
+                                            "round_s": verify_s[0], "speedup": 1.0, "speedup_se": 0.0}}
+    # each round's share of each shape's speed-up: the speed-up is their mean, and shapes compare round by round
+    per_round: dict[str, list[float]] = {"0": [1.0] * len(deep.rounds)}
     widths = [*range(1, deep.widest), None]
     for d in range(1, depth + 1):
         for w in widths:
             kept = [r.accepted(d, w) for r in deep.rounds]
-            tau = 1 + statistics.fmean(kept)
-            # the pilot's sampling error of tau (its rounds' spread over their count), carried into the speed-up
-            tau_se = statistics.stdev(kept) / len(kept) ** 0.5 if len(kept) > 1 else 0.0
             nodes = [r.nodes(d, w) for r in deep.rounds]
             round_s = interpolate(d1, dd, depth, d) + statistics.fmean(t_v(n) for n in nodes)
-            out[label(d, w)] = {"depth": d, "width": w, "tau": tau, "nodes": statistics.fmean(nodes),
-                                "round_s": round_s, "speedup": tau * verify_s[0] / round_s,
-                                "speedup_se": tau_se * verify_s[0] / round_s}
-    out["0"]["speedup_se"] = 0.0
+            per_round[label(d, w)] = [(1 + a) * verify_s[0] / round_s for a in kept]
+            out[label(d, w)] = {"depth": d, "width": w, "tau": 1 + statistics.fmean(kept),
+                                "nodes": statistics.fmean(nodes), "round_s": round_s,
+                                "speedup": statistics.fmean(per_round[label(d, w)]),
+                                "speedup_se": _se(per_round[label(d, w)])}  # the pilot's sampling error of tau
+    best = max(out, key=lambda k: out[k]["speedup"])  # ties: the first, i.e. the shallower and narrower
+    for k, p in out.items():
+        # the standard error of the gap to the best, paired over the pilot's rounds: the shapes are prunings of one
+        # tree, so they err together and their gaps are known better than either alone (against AR: the best's own)
+        p["se_vs_best"] = _se([b - x for b, x in zip(per_round[best], per_round[k], strict=True)])
     return out
+
+
+def _se(xs: list[float]) -> float:
+    return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else 0.0
 
 
 def choose(pred: dict[str, dict[str, Any]]) -> str:
     """The one-standard-error rule: of the shapes whose predicted speed-up is within one standard error of the best
-    prediction's, the cheapest per round (plain AR first). A pilot of a few dozen rounds cannot tell such shapes
-    apart, and the cheaper one spends less where the prediction errs (docs/findings.md: on the default EAGLE-3 head
-    the best prediction was depth 2 at 1.31x against depth 1 at 1.28x, with a standard error of 0.08, and depth 1
-    measured fastest)."""
+    prediction's, the cheapest per round (plain AR first). The error is that of each shape's gap to the best, paired
+    over the pilot's rounds (`se_vs_best`). A pilot of a few dozen rounds cannot tell such shapes apart, and the
+    cheaper one spends less where the prediction errs (docs/findings.md: on the default EAGLE-3 head the best
+    prediction was depth 2 at 1.31x against depth 1 at 1.28x, with a standard error of 0.08, and depth 1 measured
+    fastest)."""
     best = max(pred, key=lambda k: pred[k]["speedup"])  # ties: the first, i.e. the shallower and narrower
-    floor = pred[best]["speedup"] - pred[best].get("speedup_se", 0.0)
-    return min((k for k in pred if pred[k]["speedup"] >= floor), key=lambda k: pred[k]["round_s"])  # ties: the first
+    # records before the paired error: every gap against the best's own error
+    def within(k: str) -> bool:
+        return pred[best]["speedup"] - pred[k]["speedup"] <= pred[k].get("se_vs_best", pred[best]["speedup_se"])
+    return min(filter(within, pred), key=lambda k: pred[k]["round_s"])  # ties: the first
 
 
 def choose_depth(model: Any, proposer: Any, depth: int, prompts: list[list[int]], temperatures: list[float],

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from specdistill.methods import describe
+from specdistill.records import rival_names
 
 
 def settings(all_metrics: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
@@ -38,7 +39,7 @@ def rival(metrics: dict[str, Any], row: str) -> dict[str, Any] | None:
 def drafted(name: str, metrics: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     """(row, its name in the tables, the record that describes its draft) for every row a draft of the run `name`
     produced: the method's (`spec`, named after the run) and each rival's (named after its item)."""
-    return [("spec", name, metrics), *((r, r, rival(metrics, r)) for r in metrics["settings"].get("rivals") or {})]
+    return [("spec", name, metrics), *((r, r, rival(metrics, r)) for r in rival_names(metrics["settings"]))]
 
 
 def alphas(summary: dict[str, Any]) -> list[float]:

@@ -174,8 +174,8 @@ def auto_depth_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
              "count and a pilot on dev prompts; predicted speed-up per shape = tau(d, w) x t_verify(0) / "
              "(t_draft(d) + t_verify(nodes(d, w))), for depth d (0 = plain AR) and width w (\"2w1\": depth 2 of "
              "the first children only, a chain; \"2\": depth 2 at the method's own width). Chosen: the best "
-             "prediction, or where marked 1-SE the cheapest shape within one standard error (the pilot's) of it; it "
-             "was then evaluated on the test prompts.", "",
+             "prediction, or where marked 1-SE the cheapest shape whose gap to it is within one standard error (the "
+             "pilot's, paired over its rounds); it was then evaluated on the test prompts.", "",
              "| evaluated | predicted speed-up by shape | chosen | predicted | measured (per setting) | pilot |",
              "|---|---|---|---|---|---|"]
     for name, m in runs.items():

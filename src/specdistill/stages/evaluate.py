@@ -23,7 +23,7 @@ from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
 from specdistill.hardware import environment
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
-from specdistill.records import headline_of_evaluation, metrics_files, write_record
+from specdistill.records import headline_of_evaluation, metrics_files, rival_names, write_record
 from specdistill.stages.common import ConfigError, check_outputs
 from specdistill.tracking import wandb_run
 
@@ -155,9 +155,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     settings = {"method": ecfg.method, **asdict(ecfg), "decode": asdict(dec) if dec is not None else {},
                 **{n: asdict(d) for n, d in companions.items()}, **draft_info,
                 "chain_or_tree": "tree" if ecfg.tree else "chain",
-                "rivals": {r: {"method": rc.method, "k": rc.k, "tree": rc.tree,
+                "rivals": {r: {"method": rc.method, "k": rc.k, "tree": rc.tree, "order": i,
                                "decode": asdict(rd) if rd is not None else {}, **rival_drafts[r].info}
-                           for r, (rc, rd) in rivals.items()},
+                           for i, (r, (rc, rd)) in enumerate(rivals.items())},
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
     with wandb_run(cfg.get("logger"), job_type="evaluate", name=f"evaluate@{name}", group=group, config=cfg) as wb:
@@ -295,7 +295,7 @@ def log_wandb(run: Any, metrics: dict[str, Any]) -> None:
         return
     import wandb
 
-    rivals = list(metrics["settings"].get("rivals") or {})
+    rivals = rival_names(metrics["settings"])
     for ds_name, temps in metrics["results"].items():
         for temp, m in temps.items():
             for r in (r for r in rivals if r in m):  # each rival's figures under its item's name, beside the run's
