@@ -10,6 +10,7 @@ import torch
 
 from specdistill.decoding.dflash import DFlashProposer
 from specdistill.decoding.loop import speculative_generate
+from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.models.dflash import (
     MASK,
@@ -73,9 +74,60 @@ def test_training_blocks_equal_drafting_blocks(target, d2t):
         torch.testing.assert_close(single, batched[0, n, 1:].float(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("d2t", [None, torch.arange(0, 300, 2)])
+def test_a_markov_heads_training_slots_equal_its_drafting_slots(target, d2t):
+    """DSpark: slot j's logits are the block's plus the Markov head's bias from x_{p+j-1}, the data's token in
+    training and the token before the slot in drafting; the same numbers either way."""
+    drafter = random_drafter(target, d2t, markov_rank=4, scale=0.5)
+    size = drafter.cfg.block_size
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(3))
+    feats = target_features(target, ids, LAYERS)
+    anchors, real = torch.tensor([[3, 6]]), torch.ones(1, 2, dtype=torch.bool)
+    slots, pos, mask = block_inputs(ids, torch.ones_like(ids), anchors, real, size)
+    prev = ids[0, anchors[0][:, None] + torch.arange(size - 1)]  # [anchors, slots]: x_{p+j-1} for slots 1..S-1
+    with torch.no_grad():
+        states = drafter(slots, pos, drafter.context(feats, torch.arange(12)[None]), mask).view(2, size, -1)
+        batched = drafter.logits(states[:, 1:], prev)
+        assert not torch.allclose(batched, drafter.logits(states[:, 1:]))  # the head moves the logits
+    for n, p in enumerate(anchors[0].tolist()):
+        proposer = DFlashProposer(drafter)
+        proposer._catch_up(feats[0, :p])
+        single = proposer.block_logits(int(ids[0, p]), size - 1) + proposer.bias(prev[n].tolist())
+        torch.testing.assert_close(single, batched[n].float(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_new_markov_head_starts_as_the_plain_block_drafter(target):
+    """W2 starts at zero: DSpark's first step is DFlash's, and the head then learns from there."""
+    plain = build_dflash(target, LAYERS, num_layers=1, block_size=4, mask_token_id=1, seed=5)
+    markov = build_dflash(target, LAYERS, num_layers=1, block_size=4, mask_token_id=1, seed=5, markov_rank=8)
+    states = torch.randn(3, target.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(markov.logits(states, torch.tensor([5, 7, 9])), plain.logits(states))
+    assert markov.markov_in.weight.shape == (target.config.vocab_size, 8)
+
+
+def test_a_markov_heads_tree_gives_each_node_its_own_children(target):
+    """Without the head a slot's top tokens hang under every node of the level before; with it, each node's
+    children are the top tokens given that node's token."""
+    for rank, differ in ((0, False), (4, True)):
+        drafter = random_drafter(target, markov_rank=rank, scale=1.0)
+        if rank:  # a bias as large as the block's own logits' spread
+            with torch.no_grad():
+                drafter.markov_out.weight.mul_(20)
+        proposer = DFlashProposer(drafter, branching=[2, 2])
+        ids = PROMPTS[0]
+        verifier = TargetVerifier(target, 128, feature_layers=proposer.feature_layers)
+        verifier.prefill(ids[:-1])
+        tree = proposer.propose(ids, 2, SamplingConfig(), None, verifier.features)
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        under = [sorted(t for t, p in zip(tokens, parents, strict=True) if p == node) for node in (0, 1)]
+        assert (under[0] != under[1]) == differ, under
+
+
+@pytest.mark.parametrize("markov_rank", [0, 4])
 @pytest.mark.parametrize("branching", [None, [2, 2, 1]])
-def test_greedy_equals_the_targets_greedy(target, branching):
-    drafter = random_drafter(target, torch.arange(0, 300, 3))
+def test_greedy_equals_the_targets_greedy(target, branching, markov_rank):
+    drafter = random_drafter(target, torch.arange(0, 300, 3), markov_rank=markov_rank)
     for prompt in PROMPTS:
         proposer = DFlashProposer(drafter, branching=branching)
         res = speculative_generate(TargetVerifier(target, 128, feature_layers=proposer.feature_layers), proposer,
@@ -96,20 +148,25 @@ def test_save_load_and_refusals(tmp_path, target):
         DFlashProposer(back, k=5)
 
 
-@pytest.mark.parametrize(("loss", "weights"), [("fkl", "decay"), ("tvd", "dpace")])
-def test_fast_dev_run_dflash(tmp_path, tiny_target_dir, generated, loss, weights):
-    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, "method=dflash", f"loss={loss}",
-                              "+trainer.fast_dev_run=2", "methods.dflash.vocab_size=128", "methods.dflash.block_size=4",
-                              "methods.dflash.feature_layers=[0,1,2]", "methods.dflash.anchors=4",
-                              f"methods.dflash.step_weights={weights}"))
+@pytest.mark.parametrize(("method", "loss", "weights"),
+                         [("dflash", "fkl", "decay"), ("dflash", "tvd", "dpace"), ("dspark", "fkl", "decay")])
+def test_fast_dev_run_dflash(tmp_path, tiny_target_dir, generated, method, loss, weights):
+    m = f"methods.{method}"
+    cfg = composed(*overrides(tmp_path, tiny_target_dir, generated, f"method={method}", f"loss={loss}",
+                              "+trainer.fast_dev_run=2", f"{m}.vocab_size=128", f"{m}.block_size=4",
+                              f"{m}.feature_layers=[0,1,2]", f"{m}.anchors=4", f"{m}.step_weights={weights}"))
     final = train_stage.run(cfg)["final"]
     assert 0 < final["val/alpha"] <= 1 and 1 <= final["val/tau_sim"] <= 4 and "val/alpha_pos3_t0" in final
     assert "val/vocab_coverage" in final
     from transformers import AutoModelForCausalLM
 
-    drafter = load_dflash(tmp_path / "models/dflash", AutoModelForCausalLM.from_pretrained(tiny_target_dir))
+    drafter = load_dflash(tmp_path / f"models/{method}", AutoModelForCausalLM.from_pretrained(tiny_target_dir))
     assert drafter.cfg.block_size == 4 and drafter.cfg.draft_vocab_size == 128
-    assert read_record(tmp_path / "metrics/train_dflash.json")["settings"]["method"]["block_size"] == 4
+    settings = read_record(tmp_path / f"metrics/train_{method}.json")["settings"]["method"]
+    assert settings["block_size"] == 4 and drafter.cfg.markov_rank == settings["markov_rank"]
+    assert drafter.cfg.markov_rank == (64 if method == "dspark" else 0)  # conf/methods/dspark.yaml
+    if method == "dspark":  # the head trained: W2 left zero
+        assert drafter.markov_out.weight.abs().sum() > 0
 
 
 def test_evaluate_stage_runs_dflash(tmp_path, tiny_target_dir, monkeypatch):
@@ -166,3 +223,8 @@ def test_dflash_exports_in_the_speculators_layout(tmp_path, target, tiny_tokeniz
     drafter.cfg.target_fingerprint = "another"
     with pytest.raises(ExportError, match="serve it with its own target"):
         export_dflash(drafter, tmp_path / "other", target_dir)
+    dspark = build_dflash(target, [2, 0, 1], num_layers=2, block_size=5, mask_token_id=1, markov_rank=4)
+    dspark.cfg.target_fingerprint = "fp"
+    with pytest.raises(ExportError, match="Markov head"):  # the engine would serve another drafter
+        export_dflash(dspark, tmp_path / "dspark", target_dir)
+    assert not (tmp_path / "dspark").exists()

@@ -67,6 +67,9 @@ PROPOSERS = {  # every drafting shape the decoder verifies
         bigram_head(), EagleTreeConfig(shape="dynamic", depth=3, top_k=2, total_tokens=5), capacity=64),
     "dflash_chain": lambda draft: DFlashProposer(bigram_drafter(block=4)),  # each slot sampled from its own q
     "dflash_tree": lambda draft: DFlashProposer(bigram_drafter(block=4), branching=[2, 2]),  # each slot's top tokens
+    # DSpark: the block with a Markov head, q_j given the draw before it; a tree whose nodes' children differ
+    "dspark_chain": lambda draft: DFlashProposer(bigram_drafter(block=4, markov_rank=3)),
+    "dspark_tree": lambda draft: DFlashProposer(bigram_drafter(block=4, markov_rank=3), branching=[2, 2]),
     "medusa": lambda draft: MedusaProposer(medusa_heads(), [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]),
     "union": lambda draft: UnionProposer(  # lookup's one chain (decode.lookup.branches: 1, evaluate@eagle_lookup)
         EagleProposer(bigram_head(), EagleTreeConfig(shape="dynamic", depth=2, top_k=2, total_tokens=3), capacity=64),
@@ -83,7 +86,7 @@ SAMPLINGS = {"T1": SamplingConfig(1.0), "T0.7-p0.9": SamplingConfig(0.7, top_p=0
 # i.i.d. tree: q must be warped as p is) and on a top-k tree and EAGLE's, where only the target's p is warped. The
 # other deterministic trees meet the warp in the same code (the loop warps p for every shape; verify_sampling reads
 # no q for them), so a warped draw of each would check nothing new.
-WARPED = ("chain", "topk_tree", "iid_tree", "eagle_chain", "eagle_dynamic", "dflash_chain")
+WARPED = ("chain", "topk_tree", "iid_tree", "eagle_chain", "eagle_dynamic", "dflash_chain", "dspark_chain")
 # what costs a minute or more a case on 2 cores (an EAGLE head's layer per drafted level, or the warped draws):
 # `make test` runs it, `make test-fast` leaves it out (marker lossless_full); every shape's T = 1 case that is left
 # runs in both

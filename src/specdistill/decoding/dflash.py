@@ -9,7 +9,10 @@ positions n-1..n-1+K over those keys and its own (no causal mask) and reads slot
   slots do not see each other's draws, so q_j depends on the context only, which the standard rule allows);
 - tree (`branching`): the top-b tokens of each slot, each node's children the top of the next slot (the same for
   every parent, as the block cannot tell them apart); nodes are deterministic (q = None), lossless at any T.
-Nothing drafted is kept: the next round's block starts from the committed context again.
+With a Markov head (DSpark) each slot's logits also get the bias from the token before it: in a chain the token
+just drawn (so q_j depends on the draws before it, as any chain draft's does), in a tree each node's own parent,
+so siblings' children differ. Nothing drafted is kept: the next round's block starts from the committed context
+again.
 """
 
 from __future__ import annotations
@@ -59,12 +62,19 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def block_logits(self, last_token: int, k: int) -> torch.Tensor:
-        """[k, N] logits of slots 1..k (the drafter's own vocabulary) for the block after the committed context."""
+        """[k, N] logits of slots 1..k (the drafter's own vocabulary) for the block after the committed context,
+        without a Markov head's bias (`bias` adds it, given the token before a slot)."""
         p = self.committed  # the position of the last token: the context holds the states before it
         ids = torch.tensor([[last_token] + [MASK] * k], device=self.device)
         positions = torch.arange(p, p + k + 1, device=self.device)[None]
         states = self.drafter(ids, positions, self.context)
         return self.drafter.logits(states[0, 1:]).float()
+
+    def bias(self, prev: list[int]) -> torch.Tensor | float:
+        """The Markov head's bias [len(prev), N] for slots preceded by the target ids `prev` (0 without a head)."""
+        if not self.drafter.cfg.markov_rank:
+            return 0.0
+        return self.drafter.markov_bias(torch.tensor(prev, device=self.device)).float()
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_depth: int, sampling: SamplingConfig,
@@ -77,26 +87,29 @@ class DFlashProposer:
             return None
         logits = self.block_logits(context[-1], k)
         if self.branching:
-            return self._tree(logits, self.branching[:k])
+            return self._tree(logits, self.branching[:k], context[-1])
         tokens, qs = [], []
         for j in range(k):
-            tok, q = draft_token(to_target_logits(logits[j], self.d2t, self.vocab_size), sampling, generator)
+            row = logits[j] + self.bias([tokens[-1] if tokens else context[-1]])  # the token before slot j+1
+            tok, q = draft_token(to_target_logits(row.reshape(-1), self.d2t, self.vocab_size), sampling, generator)
             tokens.append(tok)
             if q is not None:
                 qs.append(q)
         return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
 
-    def _tree(self, logits: torch.Tensor, widths: list[int]) -> DraftTree:
-        """Level d holds the top widths[d] tokens of slot d under every node of level d-1 (topological order)."""
+    def _tree(self, logits: torch.Tensor, widths: list[int], last_token: int) -> DraftTree:
+        """Level d holds the top widths[d] tokens of slot d under every node of level d-1 (topological order); with a
+        Markov head, each node's own top tokens given its token."""
         tokens: list[int] = []
         parents: list[int] = []
         level = [-1]
         for d, width in enumerate(widths):
-            top = logits[d].topk(min(width, logits.shape[-1])).indices
+            rows = logits[d] + self.bias([tokens[p] if p >= 0 else last_token for p in level])  # [1 or nodes, N]
+            top = rows.reshape(-1, rows.shape[-1]).topk(min(width, logits.shape[-1])).indices
             ids = (top if self.d2t is None else self.d2t[top]).tolist()
             new = []
-            for parent in level:
-                for tok in ids:
+            for i, parent in enumerate(level):
+                for tok in ids[i if len(ids) > 1 else 0]:
                     new.append(len(tokens))
                     tokens.append(tok)
                     parents.append(parent)

@@ -1,6 +1,8 @@
 """DFlash (Chen et al., 2026): a parallel block drafter. A few layers at the target's width read the target's fused
 features as injected keys and values and draft a block of block_size - 1 tokens in one forward; drafted as a chain
-or a small tree of each slot's top tokens; served by vLLM (`method: dflash`) from the speculators-format export."""
+or a small tree of each slot's top tokens; served by vLLM (`method: dflash`) from the speculators-format export.
+With `markov_rank` > 0 it is DSpark's semi-autoregressive drafter (Cheng et al., 2026): the same block plus a
+low-rank Markov head, a bias on each slot from the token before it (`methods.dspark`; not served by vLLM 0.32)."""
 
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ class DFlashMethodConfig(MethodConfigBase):
     gamma: float = 4.0  # position weights exp(-(j-1)/gamma) (DFlash: 4 for blocks of 8, 7 for 16)
     step_weights: str = "decay"  # decay: the exponential above | dpace: D-PACE weights per anchor (dpace_alpha)
     dpace_alpha: float = 0.5
+    markov_rank: int = 0  # DSpark's Markov head: rank of the bias from the token before each slot (0: plain DFlash)
     teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
     RANGES: ClassVar[dict[str, str]] = {"num_layers": "[1, 16]", "block_size": "[2, 64]", "feature_layers": "[0, inf)",
+                                        "markov_rank": "[0, 4096]",
                                         "vocab_size": "[2, inf)", "mask_token_id": "[0, inf)", "anchors": "[1, inf)",
                                         "gamma": "(0, inf)", "dpace_alpha": "(0, 1]"}
     STEP_WEIGHTS = ("decay", "dpace")
@@ -71,7 +75,8 @@ def build(mcfg: DFlashMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], t
                                    always=sorted(stops))
         drafter = build_dflash(target.model, mcfg.layers(target.model.config.num_hidden_layers), mcfg.num_layers,
                                mcfg.block_size, mask_token(mcfg, target.tokenizer, stops), d2t,
-                               fingerprint=target.fingerprint, seed=int(cfg.get("seed", 0)))
+                               fingerprint=target.fingerprint, seed=int(cfg.get("seed", 0)),
+                               markov_rank=mcfg.markov_rank)
     module = DFlashModule(target.model, drafter, anchors=mcfg.anchors, gamma=mcfg.gamma,
                           stored_layers=datamodule.stored_layers, step_weights=mcfg.step_weights,
                           dpace_alpha=mcfg.dpace_alpha, seed=int(cfg.get("seed", 0)), **common)
@@ -108,6 +113,7 @@ def drafting(ecfg: Any, target: Any, dec: DFlashDecode) -> Drafting:
     n_params, n_bytes = parameter_bytes(drafter, model.dtype)
     info = {"draft": dec.path, "draft_parameters": n_params, "draft_bytes": n_bytes,
             "draft_vocab": drafter.cfg.draft_vocab_size or drafter.cfg.vocab_size, "block_size": drafter.cfg.block_size,
+            "markov_rank": drafter.cfg.markov_rank,
             "dflash_k": proposer.k, "dflash_branching": dec.branching,
             "draft_training": training_summary(dec.path)}
     return Drafting(proposer, info, max_depth=proposer.k)
@@ -152,18 +158,21 @@ def ours(scfg: Any, target: Any, k: int) -> Any:
 
 
 def label(mcfg: DFlashMethodConfig, size: Any) -> str:
-    return f"dflash-l{mcfg.num_layers}-b{mcfg.block_size}"
+    return f"dflash-l{mcfg.num_layers}-b{mcfg.block_size}" + (f"-markov{mcfg.markov_rank}" if mcfg.markov_rank else "")
 
 
 def describe(s: dict[str, Any]) -> tuple[str, str]:
     shape = f"tree {s['dflash_branching']}" if s.get("dflash_branching") else f"chain K={s.get('dflash_k')}"
+    if s.get("markov_rank"):
+        return "DSpark", f"DFlash block of {s.get('block_size')} + Markov head r={s['markov_rank']}, {shape}"
     return "DFlash", f"DFlash block of {s.get('block_size')}, {shape}"
 
 
 def describe_training(s: dict[str, Any]) -> tuple[str, str]:
     m = s["method"]
+    head = f", Markov head r={m['markov_rank']}" if m.get("markov_rank") else ""
     return (f"DFlash block drafter ({m['num_layers']} layer{'s' if m['num_layers'] > 1 else ''}, blocks of "
-            f"{m['block_size']})", "target's last layers, LM head rows")
+            f"{m['block_size']}{head})", "target's last layers, LM head rows")
 
 
 register(Method("dflash", __doc__, config=DFlashMethodConfig, build=build, label=label, reads_hidden=True,

@@ -8,6 +8,11 @@ projected by each layer's own k/v projections (the "injected" keys and values, R
 output at mask slot j (position p+j) is the draft's distribution of x_{p+j} itself. So K tokens cost one
 forward of `num_layers` layers over K+1 queries, where EAGLE-3 runs its layer K times in sequence.
 
+A slot cannot see the tokens drawn at the slots before it, so its guesses decay along the block. DSpark (Cheng et
+al. 2026, arXiv 2607.05147) adds a sequential head to the parallel block: slot j's logits get a low-rank bias from
+the token before it, W2 W1[x_{p+j-1}] (`markov_rank` r > 0; its "Markov head"). Drafting then runs the block once
+and the head K times, a lookup and an r x N product each; training reads the token that preceded each slot.
+
 Layer by layer it is vLLM's `DFlashQwen3Model` (qwen3_dflash.py), so the export is a rename: a Qwen3-style
 layer (RMSNorm per head on q and k), pre-norm residuals, a final norm, and an LM head over a reduced draft
 vocabulary (`d2t`). The bonus token reads the target's own (frozen) embeddings, which the engine shares too.
@@ -52,6 +57,7 @@ class DFlashConfig:
     draft_vocab_size: int | None = None  # N with a reduced head (d2t)
     feature_layers: list[int] = field(default_factory=list)  # HiddenTap indices = vLLM's aux ids (residual into k)
     mask_token_id: int = 0  # the id the engine substitutes the mask embedding for (mask_embedding.pt)
+    markov_rank: int = 0  # DSpark's Markov head: the rank of the bias from the previous token (0: none, DFlash)
     target_num_layers: int | None = None
     target_fingerprint: str | None = None
 
@@ -62,6 +68,8 @@ class DFlashConfig:
             raise DFlashError(f"block_size={self.block_size}: a block holds the last token and at least one mask")
         if not self.feature_layers:
             raise DFlashError("a DFlash drafter reads at least one target layer (feature_layers)")
+        if self.markov_rank < 0:
+            raise DFlashError(f"markov_rank={self.markov_rank}: 0 (no Markov head) or the rank of its bias")
 
     def rope_config(self) -> Any:
         from transformers import LlamaConfig
@@ -157,6 +165,9 @@ class DFlashDrafter(nn.Module):
         self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
         self.mask_embedding = nn.Parameter(torch.zeros(h))
+        if cfg.markov_rank:  # W1 over the target's ids (any token can precede a slot), W2 onto the draft vocabulary
+            self.markov_in = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+            self.markov_out = nn.Linear(cfg.markov_rank, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(cfg.rope_config())
         self.register_buffer("d2t", None if d2t is None else d2t.long().clone())
 
@@ -192,15 +203,23 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, ctx, mask)
         return self.norm(x)
 
-    def logits(self, states: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary (d2t maps them to target ids)."""
-        return self.lm_head(states)
+    def logits(self, states: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits over the draft vocabulary (d2t maps them to target ids) of slot states [..., H]; with a Markov head,
+        `prev` [...] holds the target id before each slot (None: the block's own logits, without the head's bias)."""
+        out = self.lm_head(states)
+        return out if prev is None or not self.cfg.markov_rank else out + self.markov_bias(prev)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """DSpark's bias [..., N] on a slot's logits from the target id before it, `prev` [...]."""
+        return self.markov_out(self.markov_in(prev))
 
 
 def build_dflash(target: Any, feature_layers: list[int], num_layers: int, block_size: int, mask_token_id: int,
-                 d2t: torch.Tensor | None = None, fingerprint: str | None = None, seed: int = 0) -> DFlashDrafter:
+                 d2t: torch.Tensor | None = None, fingerprint: str | None = None, seed: int = 0,
+                 markov_rank: int = 0) -> DFlashDrafter:
     """A trainable drafter at the target's width (float32): its layers start from the target's last `num_layers`
-    layers (q/k norms at one), its head from the target's LM head rows, the mask from the mean embedding."""
+    layers (q/k norms at one), its head from the target's LM head rows, the mask from the mean embedding; a Markov
+    head's W2 from zero, so it starts as the plain block drafter."""
     t = target.config
     cfg = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
                        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
@@ -210,7 +229,7 @@ def build_dflash(target: Any, feature_layers: list[int], num_layers: int, block_
                        block_size=block_size, vocab_size=t.vocab_size,
                        draft_vocab_size=None if d2t is None else len(d2t),
                        feature_layers=list(feature_layers), mask_token_id=mask_token_id,
-                       target_num_layers=t.num_hidden_layers, target_fingerprint=fingerprint)
+                       target_num_layers=t.num_hidden_layers, target_fingerprint=fingerprint, markov_rank=markov_rank)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg, target.get_input_embeddings(), d2t)
     src_layers = target.get_decoder().layers[-num_layers:]
@@ -225,6 +244,8 @@ def build_dflash(target: Any, feature_layers: list[int], num_layers: int, block_
         drafter.lm_head.weight.copy_(lm if d2t is None else lm[d2t])
         drafter.norm.weight.copy_(target.get_decoder().norm.weight.float())
         drafter.mask_embedding.copy_(target.get_input_embeddings().weight.detach().float().mean(0))
+        if markov_rank:
+            drafter.markov_out.weight.zero_()
     return drafter.float().train()
 
 

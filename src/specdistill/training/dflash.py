@@ -8,6 +8,9 @@ each block's queries see the context before its own anchor and the slots of thei
 mask), which is exactly what one block sees while drafting (`decoding/dflash.py`; tested equal). Validation
 takes every anchor, in chunks (blocks do not see each other, so chunking changes nothing).
 
+A Markov head (DSpark, `markov_rank`) reads the token before each slot, x_{p+j-1}: the data's, as drafting reads
+the drafted token, which is that one wherever the slot's draft can still be accepted.
+
 Loss: sum_j w_j D(p_{p+j-1} || q_j) / sum_j w_j with D from the registry (the target renormalised over the draft
 vocabulary) and DFlash's position weights w_j = exp(-(j-1) / gamma), or D-PACE's (`step_weights=dpace`).
 Validation: val/alpha_pos{j} and val/tau_sim of the chain the block drafts, over the full vocabulary.
@@ -112,7 +115,8 @@ class DFlashModule(DistillModule):
             inside = at < t
             at = at.clamp(max=t - 1)
             scored = real & inside & mask.gather(1, at)
-            out.append(Slot(j, scored, self.drafter.logits(states[:, :, j][scored]).float(),
+            prev = batch["input_ids"].gather(1, at)[scored]  # x_{p+j-1}: the Markov head's input
+            out.append(Slot(j, scored, self.drafter.logits(states[:, :, j][scored], prev).float(),
                             teacher.select(row.gather(1, at)[scored]), batch["labels"].gather(1, at)[scored]))
         return out
 
