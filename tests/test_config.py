@@ -58,6 +58,16 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     assert cfg["trainer"]["max_steps"] > 0 and cfg["method"] in cfg["methods"]
 
 
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_dspark_is_dflash_with_a_markov_head_in_every_experiment(experiment):
+    """The A/B of stage compare: whatever an experiment sets for methods.dflash, methods.dspark follows (but the head
+    and where it starts from)."""
+    methods = composed(f"experiment={experiment}")["methods"]
+    differ = {k for k in methods["dflash"].keys() | methods["dspark"].keys()
+              if methods["dflash"].get(k) != methods["dspark"].get(k)}
+    assert differ <= {"markov_rank", "init_from"} and methods["dspark"]["markov_rank"] > 0, differ
+
+
 def test_required_experiments_exist():
     assert {"default", "cpu_full", "smoke"} <= set(EXPERIMENTS)
 

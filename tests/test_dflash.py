@@ -106,10 +106,44 @@ def test_a_new_markov_head_starts_as_the_plain_block_drafter(target):
     assert markov.markov_in.weight.shape == (target.config.vocab_size, 8)
 
 
+def test_training_and_drafting_give_the_head_the_token_before_each_slot(target):
+    """The Markov head's input where it is used: training (`_slots`) gives slot j of the block at p the data's
+    x_{p+j-1} (slot 1: the anchor's own token); the proposer's chain gives each slot the token drawn before it, and
+    draws the argmax of the block's logits plus that bias at T = 0."""
+    from specdistill.training.dflash import DFlashModule
+    from specdistill.training.losses import Teacher, build_loss
+
+    drafter = random_drafter(target, markov_rank=4, scale=1.0)
+    with torch.no_grad():
+        drafter.markov_out.weight.mul_(20)  # a bias that moves the argmax
+    seen, bias = [], drafter.markov_bias
+    drafter.markov_bias = lambda prev: (seen.append(prev.tolist()), bias(prev))[1]
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.roll(-1, 1),
+             "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    module = DFlashModule(target, drafter, loss=build_loss("fkl"), optimizer=None)
+    teacher = Teacher(logits=torch.zeros(12, target.config.vocab_size))
+    module._slots(batch, target_features(target, ids, LAYERS), teacher, torch.tensor([[3, 6]]),
+                  torch.ones(1, 2, dtype=torch.bool))
+    assert seen == [[int(ids[0, 3 + j - 1]), int(ids[0, 6 + j - 1])] for j in range(1, drafter.cfg.block_size)]
+
+    seen.clear()
+    proposer, prompt = DFlashProposer(drafter), PROMPTS[0]
+    verifier = TargetVerifier(target, 128, feature_layers=proposer.feature_layers)
+    verifier.prefill(prompt[:-1])
+    tokens = proposer.propose(prompt, 4, SamplingConfig(), None, verifier.features).tokens.tolist()
+    before = [prompt[-1], *tokens[:-1]]
+    assert seen == [[t] for t in before]
+    base = proposer.block_logits(prompt[-1], 4)
+    with torch.no_grad():
+        assert tokens == [int((base[j] + bias(torch.tensor(t)).float()).argmax()) for j, t in enumerate(before)]
+        assert tokens != base.argmax(-1).tolist()  # the head changed the draft
+
+
 def test_a_markov_heads_tree_gives_each_node_its_own_children(target):
     """Without the head a slot's top tokens hang under every node of the level before; with it, each node's
-    children are the top tokens given that node's token."""
-    for rank, differ in ((0, False), (4, True)):
+    children are the top tokens of the slot given that node's own token."""
+    for rank in (0, 4):
         drafter = random_drafter(target, markov_rank=rank, scale=1.0)
         if rank:  # a bias as large as the block's own logits' spread
             with torch.no_grad():
@@ -120,8 +154,13 @@ def test_a_markov_heads_tree_gives_each_node_its_own_children(target):
         verifier.prefill(ids[:-1])
         tree = proposer.propose(ids, 2, SamplingConfig(), None, verifier.features)
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        under = [sorted(t for t, p in zip(tokens, parents, strict=True) if p == node) for node in (0, 1)]
-        assert (under[0] != under[1]) == differ, under
+        base = proposer.block_logits(ids[-1], 2)
+        for node in (0, 1):  # the two first-level nodes
+            children = [t for t, p in zip(tokens, parents, strict=True) if p == node]
+            row = base[1] + (drafter.markov_bias(torch.tensor(tokens[node])).float() if rank else 0)
+            assert children == row.topk(2).indices.tolist(), (rank, node)
+        under = [[t for t, p in zip(tokens, parents, strict=True) if p == node] for node in (0, 1)]
+        assert (under[0] != under[1]) == bool(rank), under
 
 
 @pytest.mark.parametrize("markov_rank", [0, 4])
@@ -165,7 +204,7 @@ def test_fast_dev_run_dflash(tmp_path, tiny_target_dir, generated, method, loss,
     settings = read_record(tmp_path / f"metrics/train_{method}.json")["settings"]["method"]
     assert settings["block_size"] == 4 and drafter.cfg.markov_rank == settings["markov_rank"]
     assert drafter.cfg.markov_rank == (64 if method == "dspark" else 0)  # conf/methods/dspark.yaml
-    if method == "dspark":  # the head trained: W2 left zero
+    if method == "dspark":  # the head trained: W2 no longer zero
         assert drafter.markov_out.weight.abs().sum() > 0
 
 

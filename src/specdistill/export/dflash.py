@@ -59,9 +59,9 @@ def export_dflash(drafter: Any, out_dir: str | Path, target_dir: str | Path, num
 
     cfg, target_dir = drafter.cfg, Path(target_dir)
     if cfg.markov_rank:
-        raise ExportError(f"this drafter has a Markov head (DSpark, markov_rank={cfg.markov_rank}), which vLLM's DFlash "
-                          "proposer (0.32) does not run, and the format has no field for: served without it, it would "
-                          "be another drafter. Export a drafter trained with markov_rank=0 (train@dflash)")
+        raise ExportError(f"this drafter has a Markov head (DSpark, markov_rank={cfg.markov_rank}), which vLLM's "
+                          "DFlash proposer (0.32) does not run, and the format has no field for: served without it, "
+                          "it would be another drafter. Export a drafter trained with markov_rank=0 (train@dflash)")
     k = num_speculative_tokens or cfg.block_size - 1
     if not 1 <= k <= cfg.block_size - 1:
         raise ExportError(f"num_speculative_tokens={k}: a block of {cfg.block_size} drafts 1..{cfg.block_size - 1}")

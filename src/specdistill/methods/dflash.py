@@ -67,6 +67,10 @@ def build(mcfg: DFlashMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], t
 
     if mcfg.init_from:
         drafter = load_dflash(mcfg.init_from, target.model, target_fingerprint=target.fingerprint)
+        if drafter.cfg.markov_rank != mcfg.markov_rank:  # else the record would name a head the run does not train
+            raise ConfigError(f"methods.{mcfg.name}.init_from={mcfg.init_from} holds a drafter with markov_rank="
+                              f"{drafter.cfg.markov_rank}, and this method sets {mcfg.markov_rank}: start from a "
+                              "drafter with the same head, or set init_from=null")
         drafter = drafter.float().train().requires_grad_(True)
     else:
         d2t = None

@@ -8,8 +8,10 @@ each block's queries see the context before its own anchor and the slots of thei
 mask), which is exactly what one block sees while drafting (`decoding/dflash.py`; tested equal). Validation
 takes every anchor, in chunks (blocks do not see each other, so chunking changes nothing).
 
-A Markov head (DSpark, `markov_rank`) reads the token before each slot, x_{p+j-1}: the data's, as drafting reads
-the drafted token, which is that one wherever the slot's draft can still be accepted.
+A Markov head (DSpark, `markov_rank`) reads the token before each slot, x_{p+j-1}: the data's (teacher forcing),
+where drafting reads the token drawn before it. The two agree wherever the slot can still be accepted, but the
+accepted token follows the target's argmax at T = 0 and min(p, q) at T > 0, not the data's sampled answers, so
+validation's tau_sim of a Markov head is somewhat optimistic beside the plain block's (the decoder's tau is not).
 
 Loss: sum_j w_j D(p_{p+j-1} || q_j) / sum_j w_j with D from the registry (the target renormalised over the draft
 vocabulary) and DFlash's position weights w_j = exp(-(j-1) / gamma), or D-PACE's (`step_weights=dpace`).
