@@ -50,9 +50,10 @@ EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluat
     ("decode.medusa.budget", {"evaluate@medusa"}),
     # online drafts over the same section; compare runs EAGLE-3 and EAGLE-3.1 beside DFlash
     ("decode.eagle.tree.total_tokens", EAGLE_EVALS | {"online@eagle", "compare"}),
-    ("decode.dflash.k", {"evaluate@dflash", "evaluate@dspark", "compare"}),  # a rival's section reruns its run
+    ("decode.dflash.k", {"evaluate@dflash", "evaluate@dspark", "evaluate@dspark_auto", "compare"}),  # and a rival
     ("methods.dspark.markov_rank", {"train@dspark"}),
     ("evals.dspark.decode.path", {"evaluate@dspark", "compare"}),
+    ("evals.dspark_auto.depth", {"evaluate@dspark_auto"}),
     ("evals.eagle31.decode.path", {"evaluate@eagle31", "compare"}),
     ("decode.draft.layers", {"evaluate@draft", "evaluate@untrained", "online@draft"}),
     ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
