@@ -106,6 +106,19 @@ def test_a_new_markov_head_starts_as_the_plain_block_drafter(target):
     assert markov.markov_in.weight.shape == (target.config.vocab_size, 8)
 
 
+def test_the_drafters_layers_start_from_the_targets_last_or_first_layers_or_none(target):
+    layers = target.get_decoder().layers
+    made = {init: build_dflash(target, LAYERS, num_layers=1, block_size=4, mask_token_id=1, seed=5, init_layers=init)
+            for init in ("last", "first", "random")}
+    q = {init: d.layers[0].self_attn.q_proj.weight for init, d in made.items()}
+    assert torch.equal(q["last"], layers[-1].self_attn.q_proj.weight.float())
+    assert torch.equal(q["first"], layers[0].self_attn.q_proj.weight.float())
+    assert not torch.equal(q["random"], q["last"]) and not torch.equal(q["random"], q["first"])
+    torch.testing.assert_close(made["random"].lm_head.weight, made["last"].lm_head.weight)  # the head: LM head rows
+    with pytest.raises(ValueError, match="init_layers='middle'"):
+        build_dflash(target, LAYERS, num_layers=1, block_size=4, mask_token_id=1, init_layers="middle")
+
+
 def test_training_and_drafting_give_the_head_the_token_before_each_slot(target):
     """The Markov head's input where it is used: training (`_slots`) gives slot j of the block at p the data's
     x_{p+j-1} (slot 1: the anchor's own token); the proposer's chain gives each slot the token drawn before it, and

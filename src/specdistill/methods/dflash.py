@@ -28,6 +28,7 @@ class DFlashMethodConfig(MethodConfigBase):
     step_weights: str = "decay"  # decay: the exponential above | dpace: D-PACE weights per anchor (dpace_alpha)
     dpace_alpha: float = 0.5
     markov_rank: int = 0  # DSpark's Markov head: rank of the bias from the token before each slot (0: plain DFlash)
+    init_layers: str = "last"  # the target's layers the drafter's start from: last | first | random
     teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
     RANGES: ClassVar[dict[str, str]] = {"num_layers": "[1, 16]", "block_size": "[2, 64]", "feature_layers": "[0, inf)",
                                         "markov_rank": "[0, 4096]",
@@ -42,8 +43,12 @@ class DFlashMethodConfig(MethodConfigBase):
 
 
 def check(mcfg: DFlashMethodConfig) -> None:
+    from specdistill.models.dflash import INIT_LAYERS
+
     if mcfg.step_weights not in mcfg.STEP_WEIGHTS:
         raise ConfigError(f"methods.dflash.step_weights={mcfg.step_weights!r}: use one of {mcfg.STEP_WEIGHTS}")
+    if mcfg.init_layers not in INIT_LAYERS:
+        raise ConfigError(f"methods.{mcfg.name}.init_layers={mcfg.init_layers!r}: use one of {INIT_LAYERS}")
 
 
 def mask_token(mcfg: DFlashMethodConfig, tokenizer: Any, stops: set[int]) -> int:
@@ -80,7 +85,7 @@ def build(mcfg: DFlashMethodConfig, size: Any, dcfg: Any, cfg: dict[str, Any], t
         drafter = build_dflash(target.model, mcfg.layers(target.model.config.num_hidden_layers), mcfg.num_layers,
                                mcfg.block_size, mask_token(mcfg, target.tokenizer, stops), d2t,
                                fingerprint=target.fingerprint, seed=int(cfg.get("seed", 0)),
-                               markov_rank=mcfg.markov_rank)
+                               markov_rank=mcfg.markov_rank, init_layers=mcfg.init_layers)
     module = DFlashModule(target.model, drafter, anchors=mcfg.anchors, gamma=mcfg.gamma,
                           stored_layers=datamodule.stored_layers, step_weights=mcfg.step_weights,
                           dpace_alpha=mcfg.dpace_alpha, seed=int(cfg.get("seed", 0)), **common)

@@ -35,6 +35,7 @@ from specdistill.models.heads_io import read_heads, write_heads
 CONFIG_FILE = "dflash_config.json"
 WEIGHTS_FILE = "dflash.safetensors"
 MASK = -1  # a block slot that holds the mask embedding (ids are >= 0 otherwise)
+INIT_LAYERS = ("last", "first", "random")  # which of the target's layers the drafter's start from
 
 
 class DFlashError(ValueError):
@@ -216,10 +217,13 @@ class DFlashDrafter(nn.Module):
 
 def build_dflash(target: Any, feature_layers: list[int], num_layers: int, block_size: int, mask_token_id: int,
                  d2t: torch.Tensor | None = None, fingerprint: str | None = None, seed: int = 0,
-                 markov_rank: int = 0) -> DFlashDrafter:
+                 markov_rank: int = 0, init_layers: str = "last") -> DFlashDrafter:
     """A trainable drafter at the target's width (float32): its layers start from the target's last `num_layers`
-    layers (q/k norms at one), its head from the target's LM head rows, the mask from the mean embedding; a Markov
-    head's W2 from zero, so it starts as the plain block drafter."""
+    layers (`init_layers`: "first", its first ones, whose inputs are embeddings as the block's are; "random": none),
+    q/k norms at one, its head from the target's LM head rows, the mask from the mean embedding; a Markov head's W2
+    from zero, so it starts as the plain block drafter."""
+    if init_layers not in INIT_LAYERS:
+        raise DFlashError(f"init_layers={init_layers!r}: use one of {INIT_LAYERS}")
     t = target.config
     cfg = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
                        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
@@ -232,10 +236,11 @@ def build_dflash(target: Any, feature_layers: list[int], num_layers: int, block_
                        target_num_layers=t.num_hidden_layers, target_fingerprint=fingerprint, markov_rank=markov_rank)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg, target.get_input_embeddings(), d2t)
-    src_layers = target.get_decoder().layers[-num_layers:]
+    layers = target.get_decoder().layers
+    src_layers = {"last": layers[-num_layers:], "first": layers[:num_layers], "random": []}[init_layers]
     lm = target.get_output_embeddings().weight.detach().float()
     with torch.no_grad():
-        for src, dst in zip(src_layers, drafter.layers, strict=True):
+        for src, dst in zip(src_layers, drafter.layers[:len(src_layers)], strict=True):
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(dst.self_attn, name).load_state_dict(getattr(src.self_attn, name).state_dict())
             dst.mlp.load_state_dict(src.mlp.state_dict())
