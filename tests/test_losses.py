@@ -145,6 +145,7 @@ def test_lk_lambda_mixes_kl_and_tv_by_the_mean_acceptance(data, eta):
 @SETTINGS
 @given(data=logit_pairs(max_abs=3.0))
 @example(data=(np.zeros((1, 2), np.float32), np.array([[1e-6, 0.0]], np.float32), np.array([0])))
+@example(data=(np.zeros((1, 2), np.float32), np.array([[1.1920929e-07, 0.0]], np.float32), np.array([0])))
 def test_lk_alpha_gradient_is_tvds_over_alpha_and_raises_acceptance(data):
     """d(-log alpha) = d(TVD) / alpha per token (so low acceptance pushes harder), and a small step against it
     raises the acceptance rate."""
@@ -157,7 +158,9 @@ def test_lk_alpha_gradient_is_tvds_over_alpha_and_raises_acceptance(data):
         tv = build_loss("tvd").per_token(x, teacher.select(torch.tensor([row]))).sum()
         (g_tv,) = torch.autograd.grad(tv, x)
         alpha = 1 - tv.item()
-        assume(alpha > 1e-3 and g_tv.abs().max() > 1e-4)
+        # TVD has a kink where p = q: closer to it than float32 resolves probabilities (hypothesis found logits
+        # 1.2e-7 apart: tv 3e-8), the two losses may take different subgradients, both valid
+        assume(alpha > 1e-3 and g_tv.abs().max() > 1e-4 and tv.item() > 1e-7)
         torch.testing.assert_close(g_lk, g_tv / alpha, rtol=1e-3, atol=1e-6)
         # TVD is piecewise linear in the probabilities: a step longer than the distance to p = q overshoots the
         # kink (hypothesis found logits 1e-6 apart under a 1e-3 step), so the step scales with the distance
