@@ -104,12 +104,13 @@ class DFlashProposer:
         parents: list[int] = []
         level = [-1]
         for d, width in enumerate(widths):
-            rows = logits[d] + self.bias([tokens[p] if p >= 0 else last_token for p in level])  # [1 or nodes, N]
-            top = rows.reshape(-1, rows.shape[-1]).topk(min(width, logits.shape[-1])).indices
+            # one row per node of the level: the slot's logits, plus the head's bias from that node's token
+            rows = (logits[d] + self.bias([tokens[p] if p >= 0 else last_token for p in level])).expand(len(level), -1)
+            top = rows.topk(min(width, logits.shape[-1])).indices
             ids = (top if self.d2t is None else self.d2t[top]).tolist()
             new = []
-            for i, parent in enumerate(level):
-                for tok in ids[i if len(ids) > 1 else 0]:
+            for parent, children in zip(level, ids, strict=True):
+                for tok in children:
                     new.append(len(tokens))
                     tokens.append(tok)
                     parents.append(parent)

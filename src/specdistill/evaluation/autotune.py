@@ -236,9 +236,8 @@ def choose(pred: dict[str, dict[str, Any]]) -> str:
     over the pilot's rounds (`se_vs_best`): the pilot's sampling error of tau, a lower bound on the prediction's (the
     timing model's own error, draft seconds interpolated between two depths and trees timed as chains, is not in
     it). A pilot of a few dozen rounds cannot tell such shapes apart, and the cheaper one spends less where the
-    prediction errs (docs/findings.md: on the default EAGLE-3 head the best
-    prediction was depth 2 at 1.31x against depth 1 at 1.28x, with a standard error of 0.08, and depth 1 measured
-    fastest)."""
+    prediction errs (docs/findings.md: on the default EAGLE-3 head the best prediction was depth 2 at 1.31x against
+    depth 1 at 1.28x, with a standard error of 0.08, and depth 1 measured fastest)."""
     best = max(pred, key=lambda k: pred[k]["speedup"])  # ties: the first, i.e. the shallower and narrower
     own = pred[best].get("speedup_se", 0.0)  # records before the paired error: every gap against the best's own
 
