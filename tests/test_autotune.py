@@ -50,6 +50,7 @@ def test_the_choice_is_the_cheapest_shape_within_one_standard_error_of_the_best(
     deep, shallow = pilot([0, 1, 2, 2, 2, 3], 0.02, 3), pilot([0, 1, 1], 0.01, 1)
     p = predict(deep, shallow, 3, {0: 1.0, 1: 1.0, 3: 1.02})
     assert max(p, key=lambda d: p[d]["speedup"]) == "3" and p["3"]["speedup_se"] > 0 and p["0"]["speedup_se"] == 0
+    assert [d for d in p if p[d]["best"]] == ["3"]  # the shape the gaps were taken to, marked for `choose`
     assert p["3"]["speedup"] - p["2"]["speedup"] <= p["2"]["se_vs_best"] < p["3"]["speedup"] - p["1"]["speedup"]
     assert choose(p) == "2"
     # the same acceptance over 60 times the rounds: the error shrinks below the gaps and the best is chosen

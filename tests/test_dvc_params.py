@@ -53,10 +53,10 @@ EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluat
     ("decode.dflash.k", {"evaluate@dflash", "evaluate@dspark", "evaluate@dspark_auto", "compare"}),  # and a rival
     ("methods.dspark.markov_rank", {"train@dspark"}),
     ("evals.dspark.decode.path", {"evaluate@dspark", "compare"}),
-    ("evals.dspark_auto.depth", {"evaluate@dspark_auto"}),
+    ("evals.dspark_auto.depth", {"evaluate@dspark_auto", "compare"}),  # a rival in its chosen shape
     ("evals.eagle31.decode.path", {"evaluate@eagle31", "compare"}),
     ("decode.draft.layers", {"evaluate@draft", "evaluate@untrained", "online@draft"}),
-    ("evals.eagle_auto.depth", {"evaluate@eagle_auto"}),
+    ("evals.eagle_auto.depth", {"evaluate@eagle_auto", "compare"}),
     ("evals.untrained.k", {"evaluate@untrained"}),
     # a companion's settings: the items that report it beside them or verify it as a branch, and its own
     ("decode.lookup.k", {"evaluate@lookup", "evaluate@draft", "evaluate@untrained", "evaluate@eagle_lookup"}),
@@ -110,7 +110,9 @@ def test_the_compare_stage_watches_each_rival_it_runs():
     for rival in item["rivals"]:
         method = cfg["evals"][rival]["method"]
         assert {f"evals.{rival}", f"decode.{method}"} <= set(params), rival
-        assert f"models/{rival}" in spec["deps"], rival  # the item's folder: evals.<rival>.decode.path or train@<m>
+        # the item's folder: evals.<rival>.decode.path, else its method's decode.<method>.path (train@<method>'s)
+        folder = (cfg["evals"][rival].get("decode") or {}).get("path") or cfg["decode"][method]["path"]
+        assert folder in spec["deps"], rival
 
 
 def test_every_metrics_and_plots_output_is_under_its_experiment():

@@ -95,8 +95,10 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
     ({"rivals": ["eagle31", "eagle31"]}, r"names an item twice"),
     ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "max_new_tokens": 4}},
      r"evals.eagle31 sets \['max_new_tokens'\] apart from this run's"),
-    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "depth": 2}},
-     r"evals.eagle31 sets \['depth'\], which a rival does not run"),
+    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "branch": "lookup"}},
+     r"evals.eagle31 sets \['branch'\], which a rival does not run"),
+    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "pilot_prompts": 3}},
+     r"evals.eagle31 sets \['pilot_prompts'\] apart from this run's"),
     ({"rivals": ["eagle31"], "evals.eagle31": {"method": "nope"}}, r"evals\.eagle31\.method='nope'"),
 ])
 def test_a_rival_that_cannot_share_the_run_fails_before_the_target_loads(compare_cfg, monkeypatch, change, message):
@@ -163,3 +165,35 @@ def test_the_report_reads_records_without_rivals_and_rivals_missing_a_setting(tm
     assert "| dflash | DFlash block of 5, chain K=3 (100 tokens) | mtbench/T0 |" in table
     assert "| dflash | DFlash block of 5, chain K=3 (100 tokens) | mtbench/T1 |" not in table
     assert "speculative (dflash)" not in "\n".join(results_table({"compare": gap}, "mtbench", "T1"))
+
+
+def test_a_rival_drafts_in_the_shape_its_item_sets_and_auto_pilots_it_on_the_runs_dev_prompts(tmp_path, compare_cfg):
+    """A rival with eval.depth=auto (evaluate@eagle_auto, evaluate@dspark_auto) chooses its shape in the run that
+    names it, on the run's dev prompts; one with a fixed depth is capped there; the report shows both."""
+    from specdistill.evaluation.autotune import choose
+    from specdistill.reporting.tables import auto_depth_table, head_to_head
+    from specdistill.stages import evaluate as evaluate_stage
+    from specdistill.stages.prepare import save_split
+
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
+             "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1}
+            for i, t in enumerate(["Write a poem.", "What is Paris?"])]  # one test prompt, one dev prompt
+    save_split(rows, tmp_path / "prompts/mtbench")
+    evals = {**compare_cfg["evals"], "eagle_auto": {"method": "eagle", "depth": "auto"},
+             "dflash1": {"method": "dflash", "depth": 1},
+             "compare": {"method": "eagle", "rivals": ["eagle_auto", "dflash1"], "temperatures": [0.0]}}
+    metrics = evaluate_stage.run({**compare_cfg, "evals": evals})
+    rivals, rows = metrics["settings"]["rivals"], metrics["results"]["mtbench"]["T0"]
+    auto = rivals["eagle_auto"]["auto_depth"]
+    assert auto["choice"] == choose(auto["predicted"]) and auto["pilot_prompts"] == 1 and auto["pilot_rounds"] > 0
+    assert all(f"alpha_pos{k}" not in rows["eagle_auto"] for k in range(auto["depth"] + 1, 5))  # capped as chosen
+    assert rivals["dflash1"]["depth"] == 1 and "auto_depth" not in rivals["dflash1"]
+    assert "alpha_pos1" in rows["dflash1"] and "alpha_pos2" not in rows["dflash1"]  # K=3 capped at one token
+    assert "auto_depth" not in metrics["settings"]  # the run's own draft keeps its shape
+    t0 = greedy_texts(tmp_path / "plots/compare/samples.jsonl")
+    assert t0[(1, "eagle_auto")] == t0[(1, "dflash1")] == t0[(1, "ar")]
+    shapes = "\n".join(auto_depth_table({"compare": metrics}))
+    assert "| compare: eagle_auto | " in shapes and "compare: dflash1" not in shapes
+    assert f"| {auto['choice']} " in shapes
+    table = "\n".join(head_to_head({"compare": metrics}))
+    assert "| dflash1 | DFlash block of 5, chain K=3, depth 1 " in table and " (auto) " in table

@@ -70,10 +70,10 @@ class DFlashProposer:
         states = self.drafter(ids, positions, self.context)
         return self.drafter.logits(states[0, 1:]).float()
 
-    def bias(self, prev: list[int]) -> torch.Tensor | float:
-        """The Markov head's bias [len(prev), N] for slots preceded by the target ids `prev` (0 without a head)."""
+    def bias(self, prev: list[int]) -> torch.Tensor:
+        """The Markov head's bias [len(prev), N] for slots preceded by the target ids `prev` (zeros without a head)."""
         if not self.drafter.cfg.markov_rank:
-            return 0.0
+            return torch.zeros(len(prev), self.drafter.lm_head.out_features, device=self.device)
         return self.drafter.markov_bias(torch.tensor(prev, device=self.device)).float()
 
     @torch.inference_mode()
@@ -90,8 +90,8 @@ class DFlashProposer:
             return self._tree(logits, self.branching[:k], context[-1])
         tokens, qs = [], []
         for j in range(k):
-            row = logits[j] + self.bias([tokens[-1] if tokens else context[-1]])  # the token before slot j+1
-            tok, q = draft_token(to_target_logits(row.reshape(-1), self.d2t, self.vocab_size), sampling, generator)
+            row = logits[j] + self.bias([tokens[-1] if tokens else context[-1]])[0]  # the token before slot j+1
+            tok, q = draft_token(to_target_logits(row, self.d2t, self.vocab_size), sampling, generator)
             tokens.append(tok)
             if q is not None:
                 qs.append(q)
@@ -105,7 +105,7 @@ class DFlashProposer:
         level = [-1]
         for d, width in enumerate(widths):
             # one row per node of the level: the slot's logits, plus the head's bias from that node's token
-            rows = (logits[d] + self.bias([tokens[p] if p >= 0 else last_token for p in level])).expand(len(level), -1)
+            rows = logits[d] + self.bias([tokens[p] if p >= 0 else last_token for p in level])
             top = rows.topk(min(width, logits.shape[-1])).indices
             ids = (top if self.d2t is None else self.d2t[top]).tolist()
             new = []

@@ -223,6 +223,7 @@ def predict(deep: Pilot, shallow: Pilot, depth: int, verify_s: dict[int, float])
         # the standard error of the gap to the best, paired over the pilot's rounds: the shapes are prunings of one
         # tree, so they err together and their gaps are known better than either alone (against AR: the best's own)
         p["se_vs_best"] = _se([b - x for b, x in zip(per_round[best], per_round[k], strict=True)])
+        p["best"] = k == best  # the shape the gaps were taken to: `choose` reads it, not a max over rounded figures
     return out
 
 
@@ -238,7 +239,8 @@ def choose(pred: dict[str, dict[str, Any]]) -> str:
     it). A pilot of a few dozen rounds cannot tell such shapes apart, and the cheaper one spends less where the
     prediction errs (docs/findings.md: on the default EAGLE-3 head the best prediction was depth 2 at 1.31x against
     depth 1 at 1.28x, with a standard error of 0.08, and depth 1 measured fastest)."""
-    best = max(pred, key=lambda k: pred[k]["speedup"])  # ties: the first, i.e. the shallower and narrower
+    # the shape `predict` took the gaps to; records before it marked one: the best prediction (ties: the first)
+    best = next((k for k, p in pred.items() if p.get("best")), None) or max(pred, key=lambda k: pred[k]["speedup"])
     own = pred[best].get("speedup_se", 0.0)  # records before the paired error: every gap against the best's own
 
     def within(k: str) -> bool:
@@ -261,8 +263,8 @@ def choose_depth(model: Any, proposer: Any, depth: int, prompts: list[list[int]]
     pred = predict(deep, shallow, depth, verify_s)
     best = choose(pred)
     return {"depth": pred[best]["depth"], "width": pred[best]["width"], "choice": best,
-            "best_predicted": max(pred, key=lambda k: pred[k]["speedup"]), "rule": "one standard error",
-            "predicted": {k: {f: v if f == "width" or v is None else round(v, 5) for f, v in p.items()}
+            "best_predicted": next(k for k, p in pred.items() if p["best"]), "rule": "one standard error",
+            "predicted": {k: {f: v if f in ("width", "best") or v is None else round(v, 5) for f, v in p.items()}
                           for k, p in pred.items()},
             "verify_s": {str(n): round(s, 6) for n, s in verify_s.items()}, "pilot_rounds": len(deep.rounds),
             "pilot_prompts": len(prompts), "max_depth": depth, "seconds": round(time.perf_counter() - t0, 2)}

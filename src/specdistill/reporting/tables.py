@@ -166,8 +166,13 @@ def tv_check(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
 
 def auto_depth_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     """Runs with eval.depth=auto: the shape chosen from this machine's measured costs, predicted against measured."""
-    runs = {n: m for n, m in sorted(all_metrics.items()) if m["settings"].get("auto_depth")}
-    if not runs:
+    # (evaluated, the choice, its measured row, the run's results) for each run's draft and each rival's (eval.rivals)
+    # chosen so: a rival item's pilot ran inside the run that names it
+    chosen = [(label if row == "spec" else f"{name}: {label}", record["settings"]["auto_depth"], row, m["results"])
+              for name, m in sorted(all_metrics.items())
+              for row, label, record in drafted(name, m)
+              if record["settings"].get("auto_depth")]
+    if not chosen:
         return []
     lines = ["## Draft shape chosen for the machine (`eval.depth=auto`)", "",
              "Measured at the start of the run (evaluation/autotune.py): the target's verification seconds per node "
@@ -178,11 +183,10 @@ def auto_depth_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
              "pilot's, paired over its rounds); it was then evaluated on the test prompts.", "",
              "| evaluated | predicted speed-up by shape | chosen | predicted | measured (per setting) | pilot |",
              "|---|---|---|---|---|---|"]
-    for name, m in runs.items():
-        a = m["settings"]["auto_depth"]
+    for name, a, row, results in chosen:
         pred = " / ".join(f"{d}: {p['speedup']:.2f}x" for d, p in a["predicted"].items())
-        measured = ", ".join(f"{ds}/{t}: {speedup_cell(s['spec'], interval=False)}"
-                             for ds, temps in m["results"].items() for t, s in temps.items())
+        measured = ", ".join(f"{ds}/{t}: {speedup_cell(s[row], interval=False)}"
+                             for ds, temps in results.items() for t, s in temps.items() if row in s)
         choice = a.get("choice", str(a["depth"]))  # records before widths were chosen name the depth only
         rule = " (1-SE)" if a.get("rule") == "one standard error" else ""  # records before the rule: the best
         lines.append(f"| {name} | {pred} | {choice}{rule} | {a['predicted'][choice]['speedup']:.2f}x | "

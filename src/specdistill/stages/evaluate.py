@@ -58,7 +58,8 @@ class EvalConfig:
     # rivals: other evaluate items (keys of `evals`) whose drafts run in this same run beside the method's, on the
     # same prompts, interleaved, against the same AR: a head-to-head without the drift between runs (stage compare:
     # EAGLE-3 against EAGLE-3.1 and the block drafter). A rival drafts as its own item says (its method, decode, k,
-    # tree); what the run measures (prompts, tokens, temperatures) is this item's
+    # tree, and its depth / width: eval.depth=auto pilots it on the run's dev prompts); what the run measures
+    # (prompts, tokens, temperatures) is this item's
     rivals: list[str] = field(default_factory=list)
     decode: dict[str, Any] = field(default_factory=dict)  # an item's keys over decode.<method> (evals.<item>.decode)
     capacity: int = 4096  # KV cache tokens per generation
@@ -91,7 +92,8 @@ class EvalConfig:
 # beside them under its name)
 ROWS = ("ar", "spec", "hf_generate", "hf_assisted", "tau", "speedup")
 # what a rival must share with the item it runs in: the run's measurement, not the draft
-SHARED = ("datasets", "num_prompts", "split", "max_new_tokens", "temperatures", "top_p", "top_k", "capacity", "seed")
+SHARED = ("datasets", "num_prompts", "split", "max_new_tokens", "temperatures", "top_p", "top_k", "capacity", "seed",
+          "pilot_prompts")
 
 
 PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
@@ -115,7 +117,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
             for name in ecfg.datasets}
     # eval.depth=auto pilots on dev prompts: disjoint from the reported test prompts, as tuning must be
-    pilot = pilot_conversations(ecfg, Path(cfg["paths"]["prompts_dir"])) if ecfg.depth == "auto" else []
+    autos = ecfg.depth == "auto" or any(rc.depth == "auto" for rc, _ in rivals.values())
+    pilot = pilot_conversations(ecfg, Path(cfg["paths"]["prompts_dir"])) if autos else []
     target = load_target(tcfg)
     tok, model = target.tokenizer, target.model
     stops = target.stop_ids
@@ -133,10 +136,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if ecfg.branch:  # the draft and the companion's tree verified as one
         spec = UnionProposer(spec, drafts[ecfg.branch].proposer)
     deepest = max(drafting.max_depth, drafts[ecfg.branch].max_depth if ecfg.branch else 0)
-    auto = auto_depth(ecfg, model, spec, deepest, pilot, encode, stops) if pilot else None
-    depth, width = (auto["depth"], auto["width"]) if auto else (ecfg.depth, ecfg.width)
-    if depth is not None or width is not None:
-        spec = Capped(spec, depth, width)
+    shaped = lambda e, proposer, deepest: shape(e, model, proposer, deepest, pilot, encode, stops)  # noqa: E731
+    spec, auto = shaped(ecfg, spec, deepest)
+    rival_shapes = {r: shaped(rc, rival_drafts[r].proposer, rival_drafts[r].max_depth) for r, (rc, _) in rivals.items()}
     pad = target.pad_id
     rows = [ours("ar", None)]
     if ecfg.hf_baselines:
@@ -146,7 +148,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         rows.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, pad, assistant=drafting.assistant,
                               k=ecfg.k))
     rows += [ours(n, drafts[n].proposer) for n in ecfg.beside]  # named after the method: the report describes them
-    rows += [ours(r, d.proposer) for r, d in rival_drafts.items()]  # named after the item
+    rows += [ours(r, proposer) for r, (proposer, _) in rival_shapes.items()]  # named after the item
     draft_info = drafting.info
 
     group = cfg.get("experiment_name", "default")
@@ -155,8 +157,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     settings = {"method": ecfg.method, **asdict(ecfg), "decode": asdict(dec) if dec is not None else {},
                 **{n: asdict(d) for n, d in companions.items()}, **draft_info,
                 "chain_or_tree": "tree" if ecfg.tree else "chain",
-                "rivals": {r: {"method": rc.method, "k": rc.k, "tree": rc.tree, "order": i,
-                               "decode": asdict(rd) if rd is not None else {}, **rival_drafts[r].info}
+                "rivals": {r: {"method": rc.method, "k": rc.k, "tree": rc.tree, "order": i, "depth": rc.depth,
+                               "width": rc.width, "decode": asdict(rd) if rd is not None else {},
+                               **rival_drafts[r].info,
+                               **({"auto_depth": rival_shapes[r][1]} if rival_shapes[r][1] else {})}
                            for i, (r, (rc, rd)) in enumerate(rivals.items())},
                 "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
@@ -203,14 +207,14 @@ def rival_item(cfg: dict[str, Any], ecfg: EvalConfig, rival: str) -> tuple[EvalC
                           f"({sorted(cfg.get('evals') or {})})")
     item = cfg["evals"][rival] or {}
     methods.get(item.get("method"), "evaluate", f"evals.{rival}.method")
-    own = ("beside", "branch", "rivals", "depth", "width")  # a rival runs none of these: only its item may set them
+    own = ("beside", "branch", "rivals")  # a rival runs none of these: only its item may set them
     # the run's measurement (its item's keys included) under the rival's item: a key the item sets apart is refused
     base = {**{k: v for k, v in cfg["eval"].items() if k not in own}, **{k: getattr(ecfg, k) for k in SHARED},
             "name": rival, "method": None}
     rc = section(EvalConfig, eval_item({**cfg, "eval": base}), f"evals.{rival}")
     if extra := [k for k in own if getattr(rc, k) not in (None, [])]:
         raise ConfigError(f"eval.rivals: evals.{rival} sets {extra}, which a rival does not run (it drafts with its "
-                          "own method, decode, k and tree only): name an item without them")
+                          "own method, decode, k, tree, depth and width only): name an item without them")
     if differ := [k for k in SHARED if getattr(rc, k) != getattr(ecfg, k)]:
         raise ConfigError(f"eval.rivals: evals.{rival} sets {differ} apart from this run's "
                           f"({', '.join(f'{k}={getattr(ecfg, k)!r}' for k in differ)}): a rival measures on the "
@@ -237,12 +241,22 @@ def pilot_conversations(ecfg: EvalConfig, prompts_dir: Path) -> list[Any]:
             for c in load_conversations(prompts_dir, name, ecfg.pilot_prompts, "dev", test_n=ecfg.num_prompts)]
 
 
+def shape(ecfg: EvalConfig, model: Any, proposer: Any, deepest: int, pilot: list[Any], encode: Any,
+          stops: set[int]) -> tuple[Any, dict[str, Any] | None]:
+    """A draft as eval.depth / eval.width shape it (the run's or a rival's item): capped, or chosen for the machine
+    (eval.depth=auto, with what the choice came from), or as the method drafts."""
+    auto = auto_depth(ecfg, model, proposer, deepest, pilot, encode, stops) if ecfg.depth == "auto" else None
+    depth, width = (auto["depth"], auto["width"]) if auto else (ecfg.depth, ecfg.width)
+    return (Capped(proposer, depth, width) if depth is not None or width is not None else proposer), auto
+
+
 def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, pilot: list[Any], encode: Any,
                stops: set[int]) -> dict[str, Any]:
     """eval.depth=auto: measured on this machine, on the dev prompts' first turns, before any reported decoding."""
     prompts = [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot]
     auto = choose_depth(model, spec, deepest, prompts, ecfg.temperatures, PILOT_TOKENS, stops, ecfg.capacity, ecfg.seed)
-    log.info("eval.depth=auto: %s (predicted %.2fx over AR; by shape %s) in %.0f s", auto["choice"],
+    log.info("eval.depth=auto (%s): %s (predicted %.2fx over AR; by shape %s) in %.0f s", ecfg.name or ecfg.method,
+             auto["choice"],
              auto["predicted"][auto["choice"]]["speedup"],
              ", ".join(f"{d}: {p['speedup']:.2f}x" for d, p in auto["predicted"].items()), auto["seconds"])
     return auto
