@@ -61,6 +61,18 @@ def test_the_choice_is_the_cheapest_shape_within_one_standard_error_of_the_best(
     assert max(weak[d]["speedup"] for d in weak) > 1 and choose(weak) == "0"
 
 
+def test_choose_takes_the_gaps_to_the_shape_predict_marked_best_not_a_max_over_rounded_figures():
+    # rounded to 5 digits, depths 2 and 3 tie; the pilot's unrounded best was 3, and every se_vs_best is to it
+    pred = {"0": {"speedup": 1.0, "round_s": 1.0, "se_vs_best": 0.01, "best": False},
+            "2": {"speedup": 1.2, "round_s": 1.1, "se_vs_best": 0.0, "best": False},
+            "3": {"speedup": 1.2, "round_s": 1.2, "se_vs_best": 0.0, "best": True}}
+    assert choose(pred) == "2"  # within 0 of the marked best: the cheaper
+    pred["2"]["speedup"] = 1.19  # now 0.01 behind the marked best, with no error: out
+    assert choose(pred) == "3"
+    # a record without the mark: the max (ties: the first)
+    assert choose({k: {f: v for f, v in p.items() if f != "best"} for k, p in pred.items()}) == "3"
+
+
 def test_the_gap_to_the_best_is_judged_by_its_own_paired_error_not_the_best_shapes_error():
     # rounds accepting 0..3 tokens: depths 2 and 3 differ in two rounds only, so their gap is known far better than
     # either speed-up; the best's own error (what the rule used before) would have kept depth 2
@@ -163,7 +175,8 @@ def test_the_evaluate_stage_chooses_the_depth_it_predicts_best_on_dev_prompts(tm
     auto = read_record(tmp_path / "metrics/draft.json")["settings"]["auto_depth"]
     pred = {int(d): p["speedup"] for d, p in auto["predicted"].items()}
     assert sorted(pred) == [0, 1, 2, 3] and auto["choice"] == choose(auto["predicted"]) == str(auto["depth"])
-    assert auto["best_predicted"] == str(max(pred, key=pred.get)) and auto["rule"] == "one standard error"
+    assert auto["predicted"][auto["best_predicted"]]["best"] is True and auto["rule"] == "one standard error"
+    assert pred[int(auto["best_predicted"])] == max(pred.values())
     assert auto["pilot_prompts"] == 1 and auto["verify_s"]["0"] > 0 and auto["pilot_rounds"] > 0
     m = metrics["results"]["mtbench"]["T0"]["spec"]
     assert all(f"alpha_pos{k}" not in m for k in range(auto["depth"] + 1, 5))  # nothing drafted past the cap

@@ -85,6 +85,8 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
 
     written = "\n".join(head_to_head({"compare": read_record(tmp_path / "metrics/compare.json")}))
     assert written.index("| eagle31 | eagle3.1") < written.index("| dflash | DFlash")
+    details = "\n".join(results_table({"compare": read_record(tmp_path / "metrics/compare.json")}, "mtbench", "T0"))
+    assert details.index("speculative (eagle31)") < details.index("speculative (dflash)")  # and the details alike
 
 
 @pytest.mark.parametrize("change,message", [
@@ -100,6 +102,8 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
     ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "pilot_prompts": 3}},
      r"evals.eagle31 sets \['pilot_prompts'\] apart from this run's"),
     ({"rivals": ["eagle31"], "evals.eagle31": {"method": "nope"}}, r"evals\.eagle31\.method='nope'"),
+    ({"rivals": ["eagle31"], "evals.eagle31": {"method": "eagle", "depth": "auto", "width": 2}},  # the item named
+     r"evals\.eagle31: eval.depth=auto chooses the width too"),
 ])
 def test_a_rival_that_cannot_share_the_run_fails_before_the_target_loads(compare_cfg, monkeypatch, change, message):
     from specdistill.stages import evaluate as evaluate_stage
@@ -197,3 +201,35 @@ def test_a_rival_drafts_in_the_shape_its_item_sets_and_auto_pilots_it_on_the_run
     assert f"| {auto['choice']} " in shapes
     table = "\n".join(head_to_head({"compare": metrics}))
     assert "| dflash1 | DFlash block of 5, chain K=3, depth 1 " in table and " (auto) " in table
+
+
+def test_each_rival_is_piloted_with_its_own_draft_and_capped_at_its_choice(tmp_path, compare_cfg, monkeypatch):
+    """With the choice fixed (depth 1, width 1), what the stage does with it: the pilot gets the rival's own proposer
+    and depth, the rival decodes capped at one token, a fixed-shape rival and the run's own draft are not piloted,
+    and a run-wide eval.depth shapes the run's draft only."""
+    from specdistill.stages import evaluate as evaluate_stage
+    from specdistill.stages.prepare import save_split
+
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
+             "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1}
+            for i, t in enumerate(["Write a poem.", "What is Paris?"])]
+    save_split(rows, tmp_path / "prompts/mtbench")
+    calls = []
+
+    def fixed(model, proposer, depth, prompts, *a, **k):
+        calls.append((proposer, depth, len(prompts)))
+        return {"depth": 1, "width": 1, "choice": "1w1", "predicted": {"1w1": {"speedup": 1.0}}, "seconds": 0.0}
+
+    monkeypatch.setattr(evaluate_stage, "choose_depth", fixed)
+    evals = {**compare_cfg["evals"], "eagle_auto": {"method": "eagle", "depth": "auto"},
+             "compare": {"method": "eagle", "rivals": ["eagle_auto", "eagle31"], "temperatures": [0.0]}}
+    cfg = {**compare_cfg, "evals": evals, "eval": {**compare_cfg["eval"], "depth": 2}}  # a run-wide cap of 2
+    metrics = evaluate_stage.run(cfg)
+    rows = metrics["results"]["mtbench"]["T0"]
+    tree = metrics["settings"]["rivals"]["eagle_auto"]["eagle_tree"]  # the rival's draft reaches its max_depth
+    assert len(calls) == 1 and calls[0][1:] == (max(tree["k"], tree["depth"], len(tree["branching"] or [])), 1)
+    assert type(calls[0][0]).__name__ != "Capped"  # the pilot drafts uncapped; the cap is its result
+    assert "alpha_pos1" in rows["eagle_auto"] and "alpha_pos2" not in rows["eagle_auto"]
+    assert metrics["settings"]["rivals"]["eagle31"]["depth"] is None  # eval.depth=2 did not reach the rival
+    assert metrics["settings"]["depth"] == 2 and "alpha_pos3" not in rows["spec"]  # but capped the run's own draft
+    assert metrics["settings"]["rivals"]["eagle_auto"]["auto_depth"]["choice"] == "1w1"

@@ -6,6 +6,7 @@ from typing import Any
 
 from specdistill.evaluation.accounting import expected_accepted_length
 from specdistill.methods import REGISTRY, describe
+from specdistill.records import rival_names
 from specdistill.reporting import alphas, branch_of, chained_tau, companion, drafted, rival, settings
 
 ROW_NAMES = {"ar": "AR (ours, K=0)", "hf_generate": "HF generate", "spec": "speculative (ours)",
@@ -113,7 +114,8 @@ def results_table(all_metrics: dict[str, dict[str, Any]], dataset: str, temp: st
         if not m:
             continue
         draft, loss = draft_label(metrics)
-        for key in [*ROW_NAMES, *sorted(set(m) - set(ROW_NAMES))]:
+        rivals = [r for r in rival_names(metrics["settings"]) if r in m]  # in eval.rivals order, as head to head
+        for key in [*ROW_NAMES, *rivals, *sorted(set(m) - set(ROW_NAMES) - set(rivals))]:
             if key not in m:
                 continue
             s, other = m[key], rival(metrics, key)

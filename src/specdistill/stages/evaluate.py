@@ -57,9 +57,9 @@ class EvalConfig:
     branch: str | None = None
     # rivals: other evaluate items (keys of `evals`) whose drafts run in this same run beside the method's, on the
     # same prompts, interleaved, against the same AR: a head-to-head without the drift between runs (stage compare:
-    # EAGLE-3 against EAGLE-3.1 and the block drafter). A rival drafts as its own item says (its method, decode, k,
-    # tree, and its depth / width: eval.depth=auto pilots it on the run's dev prompts); what the run measures
-    # (prompts, tokens, temperatures) is this item's
+    # EAGLE-3 against EAGLE-3.1 and the block drafters). A rival drafts as its own item says (its method, decode, k,
+    # tree, and its depth / width, which only its item sets: eval.depth=auto pilots it on the run's dev prompts);
+    # what the run measures (prompts, tokens, temperatures) is this item's
     rivals: list[str] = field(default_factory=list)
     decode: dict[str, Any] = field(default_factory=dict)  # an item's keys over decode.<method> (evals.<item>.decode)
     capacity: int = 4096  # KV cache tokens per generation
@@ -208,10 +208,14 @@ def rival_item(cfg: dict[str, Any], ecfg: EvalConfig, rival: str) -> tuple[EvalC
     item = cfg["evals"][rival] or {}
     methods.get(item.get("method"), "evaluate", f"evals.{rival}.method")
     own = ("beside", "branch", "rivals")  # a rival runs none of these: only its item may set them
-    # the run's measurement (its item's keys included) under the rival's item: a key the item sets apart is refused
-    base = {**{k: v for k, v in cfg["eval"].items() if k not in own}, **{k: getattr(ecfg, k) for k in SHARED},
-            "name": rival, "method": None}
-    rc = section(EvalConfig, eval_item({**cfg, "eval": base}), f"evals.{rival}")
+    # the run's measurement (its item's keys included) under the rival's item: a key the item sets apart is refused.
+    # Its shape is its item's alone: a run-wide eval.depth=auto would turn the fixed-shape rivals into chosen ones
+    base = {**{k: v for k, v in cfg["eval"].items() if k not in (*own, "depth", "width")},
+            **{k: getattr(ecfg, k) for k in SHARED}, "name": rival, "method": None}
+    try:
+        rc = section(EvalConfig, eval_item({**cfg, "eval": base}), f"evals.{rival}")
+    except ConfigError as e:  # the checks of EvalConfig itself name `eval.<key>`: say which item set it
+        raise ConfigError(f"eval.rivals: evals.{rival}: {e}") from None
     if extra := [k for k in own if getattr(rc, k) not in (None, [])]:
         raise ConfigError(f"eval.rivals: evals.{rival} sets {extra}, which a rival does not run (it drafts with its "
                           "own method, decode, k, tree, depth and width only): name an item without them")
