@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
 from specdistill.evaluation.autotune import binary_tree, verify_seconds  # noqa: E402
-from specdistill.hardware import environment
+from specdistill.hardware import BUSY, Contention, environment  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
 
 
@@ -41,12 +41,17 @@ def main() -> None:
     context = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     verifier = TargetVerifier(target.model, capacity=args.context + 4 * args.repeats + 128)
     nodes = sorted({0, *args.nodes})  # the plain step is the ratio's base
+    busy = Contention().start()
     rows = {n: s * 1000 for n, s in verify_seconds(verifier, context, nodes, vocab, args.repeats, binary_tree).items()}
+    others = busy.stop()
     base = rows[0]
     print(f"{'nodes':>6} {'ms':>8} {'x plain step':>13}")
     for n, ms in rows.items():
         print(f"{n:>6} {ms:8.1f} {ms / base:13.2f}")
-    print(json.dumps({"context": args.context, "dtype": args.dtype, "ms": rows, **environment()}))
+    if (others or 0) > BUSY:
+        print(f"warning: other processes used {others:.0%} of these CPUs while this timed: rerun on a quiet machine")
+    print(json.dumps({"context": args.context, "dtype": args.dtype, "ms": rows, "others_cpu_share": others,
+                      **environment()}))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,19 @@ def test_report_flags_a_run_on_the_dev_prompts(tmp_path, monkeypatch):
     assert "(each set's categories in turn)" in text
 
 
+def test_report_flags_a_run_measured_on_a_busy_machine(tmp_path, monkeypatch):
+    (tmp_path / "metrics").mkdir()
+    busy, quiet = metrics("eagle", [0.8, 0.5], 2.1), metrics("lookup", [0.5, 0.5], 1.4)
+    busy["settings"]["others_cpu_share"], quiet["settings"]["others_cpu_share"] = 0.46, 0.02
+    (tmp_path / "metrics/eagle.json").write_text(json.dumps(busy))
+    (tmp_path / "metrics/lookup.json").write_text(json.dumps(quiet))
+    text = render(tmp_path, monkeypatch)
+    assert "**Measured on a busy machine: eagle (46%) of the CPUs" in text and "lookup (2%)" not in text
+    busy["settings"].pop("others_cpu_share")  # a record from before the share was measured: no flag
+    (tmp_path / "metrics/eagle.json").write_text(json.dumps(busy))
+    assert "busy machine" not in render(tmp_path, monkeypatch)
+
+
 def test_report_without_metrics_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="run the evaluate stages first"):

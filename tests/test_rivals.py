@@ -54,6 +54,7 @@ def test_rivals_run_in_the_same_run_and_every_row_is_the_targets(tmp_path, compa
     assert rivals["eagle31"]["method"] == "eagle" and rivals["eagle31"]["eagle_variant"] == "eagle3.1"
     assert rivals["dflash"]["method"] == "dflash" and rivals["dflash"]["dflash_k"] == 3
     assert metrics["settings"]["eagle_variant"] == "eagle3"  # the run's own method: evals.compare's eagle
+    assert 0 <= metrics["settings"]["others_cpu_share"] <= 1  # what else ran on the CPUs while it measured
     for temp in ("T0", "T1"):  # each drafter's own acceptance and timing, against the run's one AR
         for r in ("spec", "eagle31", "dflash"):
             s = metrics["results"]["mtbench"][temp][r]
@@ -134,6 +135,7 @@ def test_wandb_summarises_each_rival_beside_the_run(tmp_path, compare_cfg, monke
             assert run.summary[f"eval/mtbench/T0/{r}/tau"] == s["tau"]
             assert run.summary[f"eval/mtbench/T0/{r}/speedup"] == s["speedup"]
         assert run.summary["eval/mtbench/T0/tau"] == metrics["results"]["mtbench"]["T0"]["spec"]["tau"]
+        assert run.summary["eval/others_cpu_share"] == metrics["settings"]["others_cpu_share"]
 
 
 def test_a_rival_follows_what_the_run_measures(compare_cfg):

@@ -20,7 +20,7 @@ from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.autotune import Capped, choose_depth
 from specdistill.evaluation.prompts import SPLITS, chat_encoder, load_conversations, stratified_order  # noqa: F401
 from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
-from specdistill.hardware import environment
+from specdistill.hardware import BUSY, Contention, environment
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.records import headline_of_evaluation, metrics_files, rival_names, write_record
@@ -137,6 +137,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         spec = UnionProposer(spec, drafts[ecfg.branch].proposer)
     deepest = max(drafting.max_depth, drafts[ecfg.branch].max_depth if ecfg.branch else 0)
     shaped = lambda e, proposer, deepest: shape(e, model, proposer, deepest, pilot, encode, stops)  # noqa: E731
+    busy = Contention().start()  # what else ran on our CPUs from the pilots to the last decoded token
     spec, auto = shaped(ecfg, spec, deepest)
     rival_shapes = {r: shaped(rc, rival_drafts[r].proposer, rival_drafts[r].max_depth) for r, (rc, _) in rivals.items()}
     pad = target.pad_id
@@ -166,6 +167,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 "target_fingerprint": target.fingerprint, **environment()}
     with wandb_run(cfg.get("logger"), job_type="evaluate", name=f"evaluate@{name}", group=group, config=cfg) as wb:
         res = run_benchmark(rows, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
+        settings["others_cpu_share"] = busy.stop()
+        if (settings["others_cpu_share"] or 0) > BUSY:
+            log.warning("other processes used %.0f%% of this run's CPUs while it measured: its speed-ups (and an "
+                        "eval.depth=auto choice) are unreliable; measure on a quiet machine",
+                        100 * settings["others_cpu_share"])
         metrics = summarise(res, ecfg.method, settings)
         paths = cfg.get("paths") or {}
         write_outputs(metrics, res, name, Path(paths.get("metrics_dir", "metrics")),
@@ -314,6 +320,7 @@ def log_wandb(run: Any, metrics: dict[str, Any]) -> None:
     import wandb
 
     rivals = rival_names(metrics["settings"])
+    run.summary["eval/others_cpu_share"] = metrics["settings"].get("others_cpu_share")  # a busy machine's flag
     for ds_name, temps in metrics["results"].items():
         for temp, m in temps.items():
             for r in (r for r in rivals if r in m):  # each rival's figures under its item's name, beside the run's

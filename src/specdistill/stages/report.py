@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from specdistill.hardware import BUSY
 from specdistill.io import atomic_path
 from specdistill.records import read_record
 from specdistill.reporting import figures, settings
@@ -112,6 +113,12 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
         lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
                   "its own run, but compare speed-ups across runs only on the same kind of machine.", ""]
+    busy = {n: m["settings"]["others_cpu_share"] for n, m in sorted(all_metrics.items())
+            if (m["settings"].get("others_cpu_share") or 0) > BUSY}  # records before it: not measured
+    if busy:
+        lines += [f"**Measured on a busy machine: {', '.join(f'{n} ({v:.0%})' for n, v in busy.items())} of the "
+                  "CPUs went to other processes during the run: its speed-ups are not to be trusted; rerun it on a "
+                  "quiet machine.**", ""]
     dev = sorted(n for n, m in all_metrics.items() if m["settings"].get("split", "test") != "test")
     if dev and len(dev) < len(all_metrics):  # tuned-on prompts beside reported ones would not compare
         lines += [f"**Not comparable: {', '.join(dev)} ran on the dev prompts (`eval.split=dev`), the others on the "
