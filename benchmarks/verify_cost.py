@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
 from specdistill.evaluation.autotune import binary_tree, verify_seconds  # noqa: E402
-from specdistill.hardware import BUSY, Contention, environment  # noqa: E402
+from specdistill.evaluation.contention import BUSY, Contention  # noqa: E402
+from specdistill.hardware import environment  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
 
 

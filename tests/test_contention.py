@@ -1,5 +1,5 @@
-"""hardware.Contention: the share of our CPUs other processes used while a measurement ran, which the evaluate stage
-records beside its speed-ups and the report flags."""
+"""evaluation/contention.py: the share of our CPUs other processes used while a measurement ran, which the evaluate
+stage records beside its speed-ups and the report flags."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from specdistill import hardware
-from specdistill.hardware import Contention
+from specdistill.evaluation import contention
+from specdistill.evaluation.contention import Contention
 
 
 def test_the_share_is_others_busy_seconds_over_the_cpus_wall_seconds():
@@ -34,15 +34,15 @@ def test_our_own_work_is_not_counted_and_cpus_others_keep_busy_are(tmp_path):
     holds at least what spinners on every CPU used."""
     import resource
 
-    if hardware.cpus_busy_seconds({0}) is None:
+    if contention.cpus_busy_seconds({0}) is None:
         pytest.skip("no /proc/stat here")
     c = Contention()
     wall = lambda t0: (time.monotonic() - t0) * len(c.cpus)  # noqa: E731 (CPU-seconds of the window)
-    own0, t0 = hardware.own_cpu_seconds(), time.monotonic()
+    own0, t0 = contention.own_cpu_seconds(), time.monotonic()
     c.start()
     while time.monotonic() - t0 < 1.0:  # one CPU busy with our own work
         pass
-    mine, own = c.stop(), (hardware.own_cpu_seconds() - own0) / wall(t0)
+    mine, own = c.stop(), (contention.own_cpu_seconds() - own0) / wall(t0)
     assert mine <= 1 - own + 0.05, (mine, own)  # what we used is not others'
     spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 2.0: pass\n"
     kids0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()

@@ -3,11 +3,7 @@ every stage can record them without importing a model."""
 
 from __future__ import annotations
 
-import os
 import platform
-import resource
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,52 +81,3 @@ def environment() -> dict[str, Any]:
         env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16(),
                       "matrix_units": matrix_units()}
     return env
-
-
-BUSY = 0.1  # others' share of our CPUs above which a run's timings are flagged (log and report)
-
-
-def cpus_busy_seconds(cpus: set[int]) -> float | None:
-    """Seconds the CPUs `cpus` have been busy since boot (Linux /proc/stat: user, nice, system, irq, softirq and
-    steal, the hypervisor's share, which a VM's timings lose as well); None where it cannot be read."""
-    try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
-        return None
-    ticks = 0
-    for line in lines:
-        name, *fields = line.split()
-        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
-            ticks += user + nice + system + irq + softirq + steal
-    return ticks / os.sysconf("SC_CLK_TCK") if ticks else None
-
-
-def own_cpu_seconds() -> float:
-    """CPU seconds of this process (its threads); a child's work competes with it as any other process's does."""
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return me.ru_utime + me.ru_stime
-
-
-class Contention:
-    """The share of this process's CPUs that others used while a measurement ran: (the CPUs' busy seconds less our
-    own) / (wall seconds x CPUs). A speed-up divides by an AR row of the same run, but a machine busy with other
-    work slows the rows by different amounts (a serving engine's spinning threads beside the smoke run's evaluate
-    cut its tokens/s 5-25x, docs/findings.md), so the share is recorded beside the figures. `start()`, then
-    `stop()` returns it (None where /proc/stat is unreadable); `busy` and `own` are injectable for tests."""
-
-    def __init__(self, busy: Callable[[set[int]], float | None] = cpus_busy_seconds,
-                 own: Callable[[], float] = own_cpu_seconds, clock: Callable[[], float] = time.monotonic):
-        self.busy, self.own, self.clock = busy, own, clock
-        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-
-    def start(self) -> Contention:
-        self._at = (self.busy(self.cpus), self.own(), self.clock())
-        return self
-
-    def stop(self) -> float | None:
-        busy0, own0, t0 = self._at
-        busy, own, t = self.busy(self.cpus), self.own(), self.clock()
-        if busy is None or busy0 is None or t <= t0:
-            return None
-        return round(max(0.0, ((busy - busy0) - (own - own0)) / ((t - t0) * len(self.cpus))), 3)

@@ -18,9 +18,10 @@ from specdistill import methods
 from specdistill.config import section
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.autotune import Capped, choose_depth
+from specdistill.evaluation.contention import BUSY, Contention
 from specdistill.evaluation.prompts import SPLITS, chat_encoder, load_conversations, stratified_order  # noqa: F401
 from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
-from specdistill.hardware import BUSY, Contention, environment
+from specdistill.hardware import environment
 from specdistill.io import atomic_path
 from specdistill.models.target import TargetConfig, load_target
 from specdistill.records import headline_of_evaluation, metrics_files, rival_names, write_record

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from specdistill.hardware import BUSY
+from specdistill.evaluation.contention import BUSY
 from specdistill.io import atomic_path
 from specdistill.records import read_record
 from specdistill.reporting import figures, settings
