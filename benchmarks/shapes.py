@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from specdistill import methods  # noqa: E402
 from specdistill.config import section  # noqa: E402
 from specdistill.evaluation.autotune import Capped  # noqa: E402
+from specdistill.evaluation.contention import BUSY, Contention  # noqa: E402
 from specdistill.evaluation.prompts import chat_encoder, load_conversations  # noqa: E402
 from specdistill.evaluation.runner import our_method, run_benchmark  # noqa: E402
 from specdistill.hardware import environment  # noqa: E402
@@ -90,6 +91,7 @@ def main() -> None:
     drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
     stops = target.stop_ids
 
+    busy = Contention().start()  # what else ran on these CPUs from the pilot to the last decoded token
     auto = auto_depth(ecfg, target.model, drafting.proposer, drafting.max_depth, pilot, encode, stops)
     print(f"auto: {auto['choice']} (pilot {auto['pilot_rounds']} rounds, {auto['seconds']:.0f} s); "
           f"verification ms by nodes: " + ", ".join(f"{n}: {s * 1000:.0f}" for n, s in auto["verify_s"].items()))
@@ -120,9 +122,12 @@ def main() -> None:
         print(f"{r['dataset']:10} {r['temperature']:4} {r['shape'] + ('*' if r['chosen'] else ''):6} {pred:>9} "
               f"{r['measured'] or 1.0:>9.2f}x ({ci:>11}) {r['tau']:5.2f}")
     print("* chosen by eval.depth=auto")
+    others = busy.stop()
+    if (others or 0) > BUSY:
+        print(f"warning: other processes used {others:.0%} of these CPUs while this measured: rerun on a quiet machine")
     if args.out:
         args.out.write_text(json.dumps({"item": args.item, "set": args.set, "auto": auto, "table": table,
-                                        "dtype": tcfg.dtype,
+                                        "dtype": tcfg.dtype, "others_cpu_share": others,
                                         **environment()}, indent=1))
 
 
