@@ -88,20 +88,22 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
         rows = [(row, own if row == "spec" else label, record) for row, label, record in drafted(name, metrics)]
         shown = min(4, max((len(alphas(m.get(row, {}))) for temps in metrics["results"].values()
                             for m in temps.values() for row, *_ in rows), default=0))
-        lines += [f"| `{name}`: drafter | draft | setting | tau | " +
-                  " | ".join(f"alpha_{k}" for k in range(1, shown + 1)) + " | draft share | speed-up vs AR (95% CI) |",
-                  "|---|---|---|---|" + "---|" * shown + "---|---|"]
+        # each drafter's draft once, then one compact table per dataset and temperature (a row per drafter)
+        lines += [f"`{name}`: the drafters", "", "| drafter | draft | trained with |", "|---|---|---|",
+                  *(f"| {label} | {' | '.join(draft_label(record))} |" for _, label, record in rows), ""]
         for dataset, temps in metrics["results"].items():
             for temp, m in temps.items():
-                for row, label, record in rows:
+                lines += [f"| `{name}`, {dataset}/{temp} | tau | "
+                          + " | ".join(f"alpha_{k}" for k in range(1, shown + 1))
+                          + " | draft share | speed-up vs AR (95% CI) |", "|---|---|" + "---|" * shown + "---|---|"]
+                for row, label, _ in rows:
                     s = m.get(row)
                     if not s:
                         continue
                     a, share = alphas(s) + [None] * shown, draft_share(s)
-                    lines.append(f"| {label} | {draft_label(record)[0]} | {dataset}/{temp} | {_fmt(s.get('tau'))} | "
-                                 + " | ".join(_fmt(x) for x in a[:shown])
+                    lines.append(f"| {label} | {_fmt(s.get('tau'))} | " + " | ".join(_fmt(x) for x in a[:shown])
                                  + f" | {f'{share:.0%}' if share is not None else '–'} | {speedup_cell(s)} |")
-        lines.append("")
+                lines.append("")
     return lines
 
 
