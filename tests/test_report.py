@@ -33,6 +33,7 @@ def test_report_writes_tables_figures_and_the_formula_check(tmp_path, monkeypatc
     for png in ("acceptance_by_position.png", "speedup.png", "tau_vs_k.png"):
         assert (tmp_path / "reports" / png).read_bytes()[:4] == b"\x89PNG"
     assert "Not comparable" not in text
+    assert report.prompt_counts({"mtbench": 4, "humaneval": 5}) == "5 humaneval + 4 mtbench prompts"
 
 
 def test_report_flags_a_run_on_the_dev_prompts(tmp_path, monkeypatch):

@@ -87,6 +87,13 @@ def machine(settings: dict[str, Any]) -> str:
             f"bf16 {'native' if cpu.get('native_bf16') else 'emulated'})")
 
 
+def prompt_counts(prompts: Any) -> str:
+    """'4 humaneval + 4 mtbench prompts' from a run's {dataset: count}; a record's other forms as they are."""
+    if isinstance(prompts, dict):
+        return " + ".join(f"{n} {d}" for d, n in sorted(prompts.items())) + " prompts"
+    return f"{prompts} prompts per dataset"
+
+
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
            online: list[str] | None = None, serving: list[str] | None = None,
            serve: dict[str, dict[str, Any]] | None = None) -> str:
@@ -100,8 +107,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "no number in it is typed by hand.",
              f"Target {s.get('target_fingerprint', '?')[:23]}…, {s.get('dtype')}, torch {s.get('torch')}, "
              f"transformers {s.get('transformers')}, {s.get('threads')} threads on {machine(s)}; "
-             f"{s.get('prompts')} prompts per dataset ({order}), max_new_tokens "
-             f"{s.get('max_new_tokens')}, K = {s.get('k')}, {s.get('chain_or_tree')}.", "",
+             f"{prompt_counts(s.get('prompts'))} ({order}), max_new_tokens {s.get('max_new_tokens')}; each run's "
+             "draft is named in its rows.", "",
              "Speed-up is tokens/s over our AR loop on the same prompts in the same process (methods interleaved);",
              "at temperature 0 every method emits the target's greedy chain, but in bfloat16 a verification "
              "forward over",
