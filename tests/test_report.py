@@ -59,9 +59,11 @@ def test_report_flags_a_run_measured_on_a_busy_machine(tmp_path, monkeypatch):
     (tmp_path / "metrics/lookup.json").write_text(json.dumps(quiet))
     text = render(tmp_path, monkeypatch)
     assert "**Measured on a busy machine: eagle (46%) of the CPUs" in text and "lookup (2%)" not in text
-    busy["settings"].pop("others_cpu_share")  # a record from before the share was measured: no flag
+    assert "is recorded for" not in text  # every run measured it
+    busy["settings"].pop("others_cpu_share")  # a record from before the share was measured: no flag, but counted
     (tmp_path / "metrics/eagle.json").write_text(json.dumps(busy))
-    assert "busy machine" not in render(tmp_path, monkeypatch)
+    text = render(tmp_path, monkeypatch)
+    assert "busy machine" not in text and "is recorded for 1 of 2 runs" in text
 
 
 def test_report_without_metrics_is_a_clear_error(tmp_path, monkeypatch):

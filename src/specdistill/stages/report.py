@@ -126,6 +126,10 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
         lines += [f"**Measured on a busy machine: {', '.join(f'{n} ({v:.0%})' for n, v in busy.items())} of the "
                   "CPUs went to other processes during the run: its speed-ups are not to be trusted; rerun it on a "
                   "quiet machine.**", ""]
+    unknown = [n for n, m in all_metrics.items() if m["settings"].get("others_cpu_share") is None]
+    if unknown:  # silence is not "quiet": say for how many runs the check could not be made
+        lines += [f"The CPU share other work took during the run is recorded for {len(all_metrics) - len(unknown)} "
+                  f"of {len(all_metrics)} runs (records written before it was measured carry none).", ""]
     dev = sorted(n for n, m in all_metrics.items() if m["settings"].get("split", "test") != "test")
     if dev and len(dev) < len(all_metrics):  # tuned-on prompts beside reported ones would not compare
         lines += [f"**Not comparable: {', '.join(dev)} ran on the dev prompts (`eval.split=dev`), the others on the "
