@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from specdistill import methods  # noqa: E402
 from specdistill.config import section  # noqa: E402
 from specdistill.evaluation.autotune import Capped  # noqa: E402
-from specdistill.evaluation.contention import BUSY, Contention  # noqa: E402
+from specdistill.evaluation.contention import Contention, busy_warning  # noqa: E402
 from specdistill.evaluation.prompts import chat_encoder, load_conversations  # noqa: E402
 from specdistill.evaluation.runner import our_method, run_benchmark  # noqa: E402
 from specdistill.hardware import environment  # noqa: E402
@@ -123,8 +123,8 @@ def main() -> None:
               f"{r['measured'] or 1.0:>9.2f}x ({ci:>11}) {r['tau']:5.2f}")
     print("* chosen by eval.depth=auto")
     others = busy.stop()
-    if (others or 0) > BUSY:
-        print(f"warning: other processes used {others:.0%} of these CPUs while this measured: rerun on a quiet machine")
+    if warning := busy_warning(others, "shapes.py"):
+        print(f"warning: {warning}")
     if args.out:
         args.out.write_text(json.dumps({"item": args.item, "set": args.set, "auto": auto, "table": table,
                                         "dtype": tcfg.dtype, "others_cpu_share": others,

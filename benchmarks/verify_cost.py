@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
 from specdistill.evaluation.autotune import binary_tree, verify_seconds  # noqa: E402
-from specdistill.evaluation.contention import BUSY, Contention  # noqa: E402
+from specdistill.evaluation.contention import Contention, busy_warning  # noqa: E402
 from specdistill.hardware import environment  # noqa: E402
 from specdistill.models.target import load_target  # noqa: E402
 
@@ -49,8 +49,8 @@ def main() -> None:
     print(f"{'nodes':>6} {'ms':>8} {'x plain step':>13}")
     for n, ms in rows.items():
         print(f"{n:>6} {ms:8.1f} {ms / base:13.2f}")
-    if (others or 0) > BUSY:
-        print(f"warning: other processes used {others:.0%} of these CPUs while this timed: rerun on a quiet machine")
+    if warning := busy_warning(others, "verify_cost"):
+        print(f"warning: {warning}")
     print(json.dumps({"context": args.context, "dtype": args.dtype, "ms": rows, "others_cpu_share": others,
                       **environment()}))
 

@@ -155,12 +155,9 @@ def test_verification_seconds_are_measured_per_node_count(tiny_model):
 
 def stage_config(tmp_path, target_dir, monkeypatch, **eval_keys):
     """An evaluate stage's config over three MT-bench prompts (test and dev) and the tiny target, in tmp_path."""
-    from specdistill.stages.prepare import save_split
+    from .helpers.data import save_questions
 
-    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
-             "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1}
-            for i, t in enumerate(["Write a poem.", "What is Paris?", "Name a colour."])]
-    save_split(rows, tmp_path / "prompts/mtbench")
+    save_questions(tmp_path / "prompts", ["Write a poem.", "What is Paris?", "Name a colour."])
     monkeypatch.chdir(tmp_path)
     return {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
             "target": {"name_or_path": str(target_dir), "dtype": "float32"},

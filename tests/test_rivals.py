@@ -16,6 +16,7 @@ from specdistill.errors import ConfigError
 from specdistill.models.dflash import save_dflash
 from specdistill.models.eagle import save_eagle
 
+from .helpers.data import save_questions
 from .helpers.drafts import random_drafter, random_head
 from .helpers.evaluate import eagle_eval_config, greedy_texts
 
@@ -191,12 +192,8 @@ def test_a_rival_drafts_in_the_shape_its_item_sets_and_auto_pilots_it_on_the_run
     from specdistill.evaluation.autotune import choose
     from specdistill.reporting.tables import auto_depth_table, head_to_head
     from specdistill.stages import evaluate as evaluate_stage
-    from specdistill.stages.prepare import save_split
 
-    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
-             "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1}
-            for i, t in enumerate(["Write a poem.", "What is Paris?"])]  # one test prompt, one dev prompt
-    save_split(rows, tmp_path / "prompts/mtbench")
+    save_questions(tmp_path / "prompts", ["Write a poem.", "What is Paris?"])  # one test prompt, one dev prompt
     evals = {**compare_cfg["evals"], "eagle_auto": {"method": "eagle", "depth": "auto"},
              "dflash1": {"method": "dflash", "depth": 1},
              "compare": {"method": "eagle", "rivals": ["eagle_auto", "dflash1"], "temperatures": [0.0]}}
@@ -222,12 +219,8 @@ def test_each_rival_is_piloted_with_its_own_draft_and_capped_at_its_choice(tmp_p
     and depth, the rival decodes capped at one token, a fixed-shape rival and the run's own draft are not piloted,
     and a run-wide eval.depth shapes the run's draft only."""
     from specdistill.stages import evaluate as evaluate_stage
-    from specdistill.stages.prepare import save_split
 
-    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
-             "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1}
-            for i, t in enumerate(["Write a poem.", "What is Paris?"])]
-    save_split(rows, tmp_path / "prompts/mtbench")
+    save_questions(tmp_path / "prompts", ["Write a poem.", "What is Paris?"])
     calls = []
 
     def fixed(model, proposer, depth, prompts, *a, **k):

@@ -28,6 +28,16 @@ def save_mtbench(prompts_dir: Path, turns: tuple[str, ...] = ("Write a poem.", "
     save_split(rows, prompts_dir / "mtbench")
 
 
+def save_questions(prompts_dir: Path, questions: list[str]) -> None:
+    """One single-turn MT-bench conversation per question, in the prompt contract (eval.split=test takes the first
+    num_prompts, dev the others: the eval.depth=auto pilot's)."""
+    from specdistill.stages.prepare import save_split
+
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
+             "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1} for i, t in enumerate(questions)]
+    save_split(rows, prompts_dir / "mtbench")
+
+
 def save_code_prompts(tok, folder, n=6):
     """`n` short code requests in the prompt contract (the online stage serves their `prompt` text)."""
     from specdistill.stages.prepare import save_split

@@ -1,7 +1,7 @@
 """What else ran on a measurement's CPUs: the share of their time that went to anything but this process.
 
 A speed-up divides by an AR row of the same run, but a machine busy with other work slows the rows by different
-amounts: beside a serving engine's spinning threads the smoke run's compare decoded 5-25x slower, some rows far
+amounts: beside a serving engine on the same cores the smoke run's compare decoded 5-25x slower, some rows far
 more than others (docs/findings.md, "A busy machine does not slow every row alike"). The interval cannot show it
 (it measures the noise between prompts within the run), so the share is recorded beside the figures.
 """
@@ -15,6 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 BUSY = 0.1  # others' share of our CPUs above which a run's timings are flagged (log and report)
+
+
+def busy_warning(share: float | None, what: str = "this run") -> str | None:
+    """The warning to print or log when others took more than BUSY of the CPUs while `what` measured, else None."""
+    if share is None or share <= BUSY:
+        return None
+    return (f"other processes used {share:.0%} of the CPUs while {what} measured: its timings (speed-ups, an "
+            "eval.depth=auto choice) are unreliable; rerun on a quiet machine")
 
 
 def cpus_busy_seconds(cpus: set[int]) -> float | None:

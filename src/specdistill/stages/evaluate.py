@@ -18,7 +18,7 @@ from specdistill import methods
 from specdistill.config import section
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.autotune import Capped, choose_depth
-from specdistill.evaluation.contention import BUSY, Contention
+from specdistill.evaluation.contention import Contention, busy_warning
 from specdistill.evaluation.prompts import SPLITS, chat_encoder, load_conversations, stratified_order  # noqa: F401
 from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
 from specdistill.hardware import environment
@@ -169,10 +169,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     with wandb_run(cfg.get("logger"), job_type="evaluate", name=f"evaluate@{name}", group=group, config=cfg) as wb:
         res = run_benchmark(rows, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
         settings["others_cpu_share"] = busy.stop()
-        if (settings["others_cpu_share"] or 0) > BUSY:
-            log.warning("other processes used %.0f%% of this run's CPUs while it measured: its speed-ups (and an "
-                        "eval.depth=auto choice) are unreliable; measure on a quiet machine",
-                        100 * settings["others_cpu_share"])
+        if warning := busy_warning(settings["others_cpu_share"], f"evaluate@{name}"):
+            log.warning(warning)
         metrics = summarise(res, ecfg.method, settings)
         paths = cfg.get("paths") or {}
         write_outputs(metrics, res, name, Path(paths.get("metrics_dir", "metrics")),

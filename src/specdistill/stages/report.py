@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from specdistill.evaluation.contention import BUSY
+from specdistill.evaluation.contention import busy_warning
 from specdistill.io import atomic_path
 from specdistill.records import read_record
 from specdistill.reporting import figures, settings
@@ -121,7 +121,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
         lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
                   "its own run, but compare speed-ups across runs only on the same kind of machine.", ""]
     busy = {n: m["settings"]["others_cpu_share"] for n, m in sorted(all_metrics.items())
-            if (m["settings"].get("others_cpu_share") or 0) > BUSY}  # records before it: not measured
+            if busy_warning(m["settings"].get("others_cpu_share"))}  # records before it: not measured
     if busy:
         lines += [f"**Measured on a busy machine: {', '.join(f'{n} ({v:.0%})' for n, v in busy.items())} of the "
                   "CPUs went to other processes during the run: its speed-ups are not to be trusted; rerun it on a "
