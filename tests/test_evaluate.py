@@ -160,6 +160,52 @@ def test_evaluate_stage_on_the_dev_prompts(tmp_path, tiny_target_dir, monkeypatc
     assert ids == {"q1"}  # the test prompt is q0
 
 
+def test_evaluate_stage_on_the_held_out_prompts_of_the_training_source(tmp_path, tiny_target_dir, monkeypatch):
+    """eval.datasets may name `val`, prepare's held-out prompts of the training source (a user's own domain when
+    `data=` is theirs): it is measured as a benchmark is, every user turn of a multi-turn context answered."""
+    rows = [{"id": f"c{i}#{len(t)}", "messages": [{"role": "user", "content": t[0]}], "source": "sharegpt",
+             "category": "multi_turn" if len(t) > 1 else "single_turn", "reference": "x", "turns": t, "prompt": "",
+             "prompt_tokens": 1} for i, t in enumerate([["Hello there."], ["Name a colour.", "Another one."]])]
+    save_split(rows, tmp_path / "prompts/val")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"paths": {"prompts_dir": str(tmp_path / "prompts")}, "logger": {"enabled": False},
+           "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32"},
+           "eval": {"method": "lookup", "datasets": ["val"], "num_prompts": 2, "max_new_tokens": 4,
+                    "temperatures": [0.0], "hf_baselines": False}}
+    metrics = evaluate_stage.run(cfg)
+    assert set(metrics["results"]) == {"val"}
+    samples = [json.loads(line) for line in (tmp_path / "plots/lookup/samples.jsonl").read_text().splitlines()]
+    assert {(s["id"], s["turn"]) for s in samples if s["method"] == "ar"} == {("c0#1", 1), ("c1#2", 1), ("c1#2", 2)}
+
+
+@pytest.mark.parametrize(("datasets", "match"), [([], "name at least one prompt set"),
+                                                 (["mtbench", "train"], "distilled on"),
+                                                 (["val", "val"], "names a set twice")])
+def test_eval_sets_are_checked_at_start(datasets, match):
+    """No set, the drafts' own training prompts, or a set twice: refused by evaluate and serve before anything loads,
+    the key named."""
+    from specdistill.config import section
+    from specdistill.engine.serving import ServeConfig
+    from specdistill.errors import ConfigError
+
+    from .helpers.config import composed
+
+    with pytest.raises(ConfigError, match=rf"eval\.datasets=.*{match}|eval\.datasets.*{match}"):
+        evaluate_stage.EvalConfig(method="lookup", datasets=datasets)
+    with pytest.raises(ConfigError, match=rf"serve\.datasets.*{match}"):
+        section(ServeConfig, {**composed()["serve"], "datasets": datasets}, "serve")
+
+
+def test_a_prompt_set_prepare_did_not_write_is_named_with_those_it_did(tmp_path):
+    from specdistill.evaluation.prompts import load_conversations
+
+    save_mtbench(tmp_path)
+    with pytest.raises(FileNotFoundError, match="holds mtbench; name one of those"):
+        load_conversations(tmp_path, "my_traffic", 1)
+    with pytest.raises(FileNotFoundError, match="run the prepare stage first"):
+        load_conversations(tmp_path, "val", 1)
+
+
 def test_prompts_take_categories_in_turn_and_dev_never_meets_test(tmp_path):
     """MT-bench is stored ten questions a category: the first prompts must not all be writing; the dev prompts
     (where settings are tuned) must have the test prompts' mix of categories (a union's speed-up runs from 1.5x

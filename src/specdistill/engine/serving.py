@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from specdistill import methods
 from specdistill.errors import ConfigError
+from specdistill.evaluation.prompts import check_eval_sets
 
 ABOVE_TAU = 1.1  # a speed-up above this times tau is flagged (noise allowance: tau is itself a sample mean)
 AR_LAST = "ar_last"  # the engine alone again after the K starts (serve.ar_bracket)
@@ -58,8 +59,7 @@ class ServeConfig:
                 raise ConfigError(f"serve.{key}={value!r}: {rule}")
 
         need(self.method in methods.names("serve"), "method", self.method, f"use one of {methods.names('serve')}")
-        need(bool(self.datasets) and set(self.datasets) <= {"mtbench", "humaneval"}, "datasets", self.datasets,
-             "a non-empty list of mtbench, humaneval")
+        check_eval_sets(self.datasets, "serve.datasets")
         for key in ("temperatures", "concurrency", "k"):  # types and ranges: `section`; here what it cannot say
             need(bool(getattr(self, key)), key, getattr(self, key), "a non-empty list")
         need(self.agreement_k in self.k, "agreement_k", self.agreement_k, f"one of serve.k={self.k}")

@@ -12,6 +12,24 @@ from typing import Any
 from specdistill.errors import ConfigError
 
 SPLITS = ("test", "dev")
+# the prompt sets prepare writes that a draft is measured on: the two benchmarks, and `val`, the held-out prompts of
+# the training source (your own domain when `data=` is yours). `train` holds what the drafts were distilled on
+BENCHMARKS = ("mtbench", "humaneval")
+HELD_OUT = "val"
+TRAINED_ON = "train"
+
+
+def check_eval_sets(names: list[str], key: str) -> None:
+    """A list of prompt sets to measure on, checked before anything loads: at least one, each once, none the drafts
+    were trained on. Whether each exists is the prompts' load's to say (it lists the sets prepare wrote)."""
+    if not names:
+        raise ConfigError(f"{key}=[]: name at least one prompt set ({', '.join((*BENCHMARKS, HELD_OUT))})")
+    if TRAINED_ON in names:
+        raise ConfigError(f"{key}={list(names)}: '{TRAINED_ON}' holds the prompts the drafts were distilled on, where "
+                          f"their acceptance overstates what they meet in service; use '{HELD_OUT}', the held-out "
+                          "prompts of the same source")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"{key}={list(names)} names a set twice: list each once")
 
 
 @dataclass
@@ -26,7 +44,10 @@ def load_prompts(prompts_dir: str | Path, split: str) -> Any:
 
     path = Path(prompts_dir) / split
     if not path.is_dir():
-        raise FileNotFoundError(f"prompt split {path} is missing: run the prepare stage first (`dvc repro prepare`)")
+        there = sorted(p.name for p in Path(prompts_dir).glob("*") if p.is_dir()) if Path(prompts_dir).is_dir() else []
+        raise FileNotFoundError(f"prompt split {path} is missing: " + (
+            f"{prompts_dir} holds {', '.join(there)}; name one of those" if there and split not in (*BENCHMARKS, HELD_OUT, TRAINED_ON)
+            else "run the prepare stage first (`dvc repro prepare`)"))
     return datasets.load_from_disk(str(path))
 
 

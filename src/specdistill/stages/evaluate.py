@@ -19,7 +19,8 @@ from specdistill.config import section
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.autotune import Capped, choose_depth
 from specdistill.evaluation.contention import Contention, busy_warning
-from specdistill.evaluation.prompts import SPLITS, chat_encoder, load_conversations, stratified_order  # noqa: F401
+from specdistill.evaluation.prompts import (  # noqa: F401
+    SPLITS, chat_encoder, check_eval_sets, load_conversations, stratified_order)
 from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
 from specdistill.hardware import environment
 from specdistill.io import atomic_path
@@ -78,6 +79,7 @@ class EvalConfig:
                                   "that drafts deterministic trees from nothing trained)")
         if self.split not in SPLITS:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
+        check_eval_sets(self.datasets, "eval.datasets")
         if isinstance(self.depth, str) and self.depth != "auto":
             raise ConfigError(f"eval.depth={self.depth!r}: a depth (0 = plain AR), auto, or null (the method's own)")
         if self.depth == "auto" and self.width is not None:
