@@ -44,9 +44,10 @@ def load_prompts(prompts_dir: str | Path, split: str) -> Any:
 
     path = Path(prompts_dir) / split
     if not path.is_dir():
-        there = sorted(p.name for p in Path(prompts_dir).glob("*") if p.is_dir()) if Path(prompts_dir).is_dir() else []
+        there = sorted(p.name for p in Path(prompts_dir).glob("*") if p.is_dir())
+        own = split not in (*BENCHMARKS, HELD_OUT, TRAINED_ON)  # not a set prepare writes: a name to correct
         raise FileNotFoundError(f"prompt split {path} is missing: " + (
-            f"{prompts_dir} holds {', '.join(there)}; name one of those" if there and split not in (*BENCHMARKS, HELD_OUT, TRAINED_ON)
+            f"{prompts_dir} holds {', '.join(there)}; name one of those" if there and own
             else "run the prepare stage first (`dvc repro prepare`)"))
     return datasets.load_from_disk(str(path))
 

@@ -19,8 +19,7 @@ from specdistill.config import section
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.autotune import Capped, choose_depth
 from specdistill.evaluation.contention import Contention, busy_warning
-from specdistill.evaluation.prompts import (  # noqa: F401
-    SPLITS, chat_encoder, check_eval_sets, load_conversations, stratified_order)
+from specdistill.evaluation.prompts import SPLITS, chat_encoder, check_eval_sets, load_conversations, stratified_order  # noqa: F401
 from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
 from specdistill.hardware import environment
 from specdistill.io import atomic_path
