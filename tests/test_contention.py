@@ -53,3 +53,20 @@ def test_our_own_work_is_not_counted_and_cpus_others_keep_busy_are(tmp_path):
     theirs, kids = c.stop(), resource.getrusage(resource.RUSAGE_CHILDREN)
     spun = (kids.ru_utime + kids.ru_stime - kids0.ru_utime - kids0.ru_stime) / wall(t0)
     assert spun > 0.05 and theirs >= spun - 0.05, (theirs, spun)  # at least the spinners' CPU time
+
+
+def test_a_reaped_child_counts_as_ours_where_the_work_runs_in_one(tmp_path):
+    """The serve stage's engine runs in its worker, a child: with own_and_children_cpu_seconds its CPU time is ours
+    once the child is waited for, so the share says what others took, not what the engine did. Both readings over
+    the same window: the tree's share is the process's alone less the child's."""
+    if contention.cpus_busy_seconds({0}) is None:
+        pytest.skip("no /proc/stat here")
+    spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.5: pass\n"
+    alone, tree = Contention(own=contention.own_cpu_seconds), Contention(own=contention.own_and_children_cpu_seconds)
+    t0, before = time.monotonic(), contention.own_and_children_cpu_seconds()
+    alone.start(), tree.start()
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    without, with_child = alone.stop(), tree.stop()
+    child = (contention.own_and_children_cpu_seconds() - before) / ((time.monotonic() - t0) * len(alone.cpus))
+    assert child > 0.2 and without >= child - 0.05, (without, with_child, child)  # RUSAGE_SELF: the child is others'
+    assert with_child == pytest.approx(max(0.0, without - child), abs=0.05), (without, with_child, child)

@@ -285,6 +285,7 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
                                  f"serve.models.dflash={served['tmp']}/models/dflash"))
     saved = read_record(tmp_path / f"metrics/serve_{method}.json")
     assert saved["settings"]["vllm"] == "0.32.0" and saved["settings"]["method"] == method
+    assert 0.0 <= saved["settings"]["others_cpu_share"] <= 1.0  # the machine's other work while the engines measured
     cell = saved["results"]["mtbench"]["T0.0"]["c1"]
     assert cell["ar"]["tokens_per_s"] > 0 and cell["k2"]["speedup"] > 0 and cell["k2"]["drafts"] > 0
     assert set(saved["chosen_k"]) == ({"c1", "c2"} if scheduled else {"c1"}) and saved["chosen_k"]["c1"]["k"] == 2

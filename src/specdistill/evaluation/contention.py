@@ -47,6 +47,28 @@ def own_cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime
 
 
+def own_and_children_cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for (and theirs): where the measured work runs
+    in a child, as the serve stage's engine worker does, read it after the child is reaped. A child still running
+    (W&B's service) is not counted yet, so it stays among the others."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own_cpu_seconds() + kids.ru_utime + kids.ru_stime
+
+
+def busy_lines(shares: dict[str, float | None], runs: str = "runs") -> list[str]:
+    """The report's lines on the machine's other work: the runs measured on a busy one, in bold, and for how many
+    the share is recorded at all (silence is not "quiet": records written before it was measured carry none)."""
+    lines = []
+    if busy := {n: v for n, v in sorted(shares.items()) if busy_warning(v)}:
+        lines += [f"**Measured on a busy machine: {', '.join(f'{n} ({v:.0%})' for n, v in busy.items())} of the "
+                  "CPUs went to other processes during the run: its speed-ups are not to be trusted; rerun it on a "
+                  "quiet machine.**", ""]
+    if unknown := [n for n, v in shares.items() if v is None]:
+        lines += [f"The CPU share other work took during the run is recorded for {len(shares) - len(unknown)} "
+                  f"of {len(shares)} {runs} (records written before it was measured carry none).", ""]
+    return lines
+
+
 class Contention:
     """Others' share of this process's CPUs over a window: (the CPUs' busy seconds less our own) / (wall seconds x
     CPUs). `start()`, then `stop()` returns it (None where /proc/stat is unreadable); `busy`, `own` and `clock` are

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from specdistill.evaluation.contention import busy_warning
+from specdistill.evaluation.contention import busy_lines
 from specdistill.io import atomic_path
 from specdistill.records import read_record
 from specdistill.reporting import figures, settings
@@ -120,16 +120,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
         lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
                   "its own run, but compare speed-ups across runs only on the same kind of machine.", ""]
-    busy = {n: m["settings"]["others_cpu_share"] for n, m in sorted(all_metrics.items())
-            if busy_warning(m["settings"].get("others_cpu_share"))}  # records before it: not measured
-    if busy:
-        lines += [f"**Measured on a busy machine: {', '.join(f'{n} ({v:.0%})' for n, v in busy.items())} of the "
-                  "CPUs went to other processes during the run: its speed-ups are not to be trusted; rerun it on a "
-                  "quiet machine.**", ""]
-    unknown = [n for n, m in all_metrics.items() if m["settings"].get("others_cpu_share") is None]
-    if unknown:  # silence is not "quiet": say for how many runs the check could not be made
-        lines += [f"The CPU share other work took during the run is recorded for {len(all_metrics) - len(unknown)} "
-                  f"of {len(all_metrics)} runs (records written before it was measured carry none).", ""]
+    lines += busy_lines({n: m["settings"].get("others_cpu_share") for n, m in all_metrics.items()})
     dev = sorted(n for n, m in all_metrics.items() if m["settings"].get("split", "test") != "test")
     if dev and len(dev) < len(all_metrics):  # tuned-on prompts beside reported ones would not compare
         lines += [f"**Not comparable: {', '.join(dev)} ran on the dev prompts (`eval.split=dev`), the others on the "

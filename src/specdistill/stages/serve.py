@@ -34,6 +34,7 @@ from specdistill.engine.serving import (
     speculative_config,
     summarise,
 )
+from specdistill.evaluation.contention import Contention, busy_warning, own_and_children_cpu_seconds
 from specdistill.evaluation.prompts import chat_encoder, load_conversations
 from specdistill.export.target import ExportError, exported_fingerprint
 from specdistill.hardware import environment
@@ -87,6 +88,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     log.info("engine: %s", "; ".join(f"{setting} ({spec or 'no speculation'})" for setting, spec in settings))
     jobs = [{**job(scfg, str(target_dir), prompts, stops, dtype, spec, max_model_len), "label": setting}
             for setting, spec in settings]
+    # what else ran on our CPUs while the engines measured: the engine works in our child (the worker), counted as
+    # ours once it is reaped; the share covers every engine start, the deployed schedule's too
+    busy = Contention(own=own_and_children_cpu_seconds).start()
     results = dict(zip((s for s, _ in settings), run_engines(jobs, **engine_kw), strict=True))
     for setting, res in results.items():
         log.info("engine: %s cold start %.0f s, shut down in %.0f s", setting, res["cold_start_s"], res["stop_s"])
@@ -98,6 +102,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         results["scheduled"] = run_engine(job(scfg, str(target_dir), prompts, stops, dtype, deploy, max_model_len),
                                           **engine_kw, env=idle)
         summary = summarise(scfg, results)
+    others = busy.stop()
+    if warning := busy_warning(others, f"serve@{scfg.method}"):
+        log.warning(warning)
     if summary["baseline_drift"]:
         log.warning("serve@%s: the engine alone ran more than %.0f%% apart before and after the K starts in %d run(s) "
                     "(%s): the machine's speed changed during the stage; rerun it on a quiet machine", scfg.method,
@@ -113,7 +120,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     metrics = {"settings": {**environment(), **asdict(scfg), "k_skipped": skipped, "engine": "vllm",
                             "vllm": first["vllm"], "engine_torch": first["torch"],
                             "engine_dtype": dtype, "target_fingerprint": exported_fingerprint(target_dir),
-                            "prompts": {ds: len(p) for ds, p in prompts.items()}},
+                            "prompts": {ds: len(p) for ds, p in prompts.items()}, "others_cpu_share": others},
                "cold_start_s": {s: round(r["cold_start_s"], 1) for s, r in results.items()},
                "stop_s": {s: round(r["stop_s"], 1) for s, r in results.items() if "stop_s" in r},
                **summary, "agreement": agreement}
@@ -123,6 +130,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                    group=cfg.get("experiment_name", "default"), config=cfg) as wb:
         for c, chosen in summary["chosen_k"].items():
             wb.summary.update({f"serve/{c}/k": chosen["k"], f"serve/{c}/speedup": chosen["speedup_geomean"]})
+        wb.summary["serve/others_cpu_share"] = others  # a busy machine's flag, as evaluate's
     for c, chosen in summary["chosen_k"].items():
         log.info("%s at concurrency %s: K=%d, %.2fx the engine alone (geomean over datasets and temperatures)",
                  scfg.method, c[1:], chosen["k"], chosen["speedup_geomean"])
