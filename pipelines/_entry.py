@@ -17,7 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # runs from a plain checkout too
 
+from specdistill.config import register_resolvers  # noqa: E402
 from specdistill.stages.common import setup_logging  # noqa: E402
+
+register_resolvers()  # conf/'s `${files_stamp:...}` when a stage composes conf/ itself (run by hand)
 
 
 def stage_main(run: Callable[..., Any], job: Callable[[], Any] | None = None,

@@ -146,3 +146,38 @@ def test_overrides_before_or_after_a_flag_keep_the_stages_name(args):
     assert out.returncode == 0, out.stderr[-500:]
     # the shorthand, as Hydra got it
     assert "    name: train\n" in out.stdout and "- loss@methods.draft.loss=tvd" in out.stdout
+
+
+def test_a_local_targets_stamp_follows_its_files(tmp_path):
+    """target=hf with a local folder: `target.stamp` names what the folder holds when params.yaml is composed (by
+    DVC's own composition, through hydra_plugins/), so weights replaced at the same path change the params every
+    target-reading stage depends on; untouched files and a download's .cache/ leave it as it was; a hub id has none."""
+    import os
+
+    from dvc.utils.hydra import compose_and_dump
+
+    model = tmp_path / "model"
+    (model / ".cache").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+
+    def stamp(name_or_path: str) -> str | None:  # as `dvc exp run` composes: plugins from the repository root
+        out = tmp_path / "params.yaml"
+        compose_and_dump(out, str(ROOT / "conf"), None, "config", str(ROOT),
+                         ["target=hf", f"target.name_or_path={name_or_path}"])
+        return yaml.safe_load(out.read_text())["target"]["stamp"]
+
+    first = stamp(str(model))
+    assert first is not None and first.startswith("2 files:")
+    (model / ".cache" / "lock").write_text("x")  # the hub client's bookkeeping: not the model
+    assert stamp(str(model)) == first
+    (model / "model.safetensors").write_bytes(b"\1" * 64)  # new weights, same size, same path
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert stamp(str(model)) not in (None, first)
+    assert stamp("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+    assert composed("target=hf", f"target.name_or_path={model}")["target"]["stamp"] == stamp(str(model))
+    # what DVC watches: every stage that loads the target lists the whole `target` section among its params
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name in ("generate", "features", "train", "evaluate", "online", "export", "serve"):
+        assert "target" in stages[name].get("do", stages[name])["params"], name

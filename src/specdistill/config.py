@@ -5,8 +5,10 @@ helper every stage and every method's config goes through (the defaults themselv
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
 from specdistill.errors import ConfigError
@@ -68,3 +70,32 @@ def _in_range(v: Any, interval: str) -> bool:
     """`v` in an interval written as in the message: "[0, 2]", "(0, 1]", "[1, inf)"."""
     lo, hi = (float(x) for x in interval[1:-1].split(","))
     return (lo <= v if interval[0] == "[" else lo < v) and (v <= hi if interval[-1] == "]" else v < hi)
+
+
+def files_stamp(path: str) -> str | None:
+    """What a local model folder holds when the config is composed: a digest of each file's relative path, size and
+    modification time (what make compares; dot-folders such as a download's .cache/ left out). It goes into
+    params.yaml (`target.stamp`, conf/target/hf.yaml), so weights replaced at the same path change the params the
+    target's stages read and DVC reruns them; DVC tracks the default target's file itself. None for what is not a
+    local path: a hub id is pinned by target.revision."""
+    root = Path(path)
+    if not root.exists():
+        return None
+    files = [root] if root.is_file() else sorted(
+        f for f in root.rglob("*") if f.is_file() and not any(part.startswith(".") for part in
+                                                              f.relative_to(root).parts))
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(root).as_posix() if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n"
+                 .encode())
+    return f"{len(files)} files:{h.hexdigest()[:16]}"
+
+
+def register_resolvers() -> None:
+    """The resolvers conf/ uses (`${files_stamp:...}`), for every composition: DVC's (`dvc exp run` and
+    pipelines/compose.py, through hydra_plugins/), a stage run by hand (pipelines/_entry.py) and the tests."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("files_stamp"):
+        OmegaConf.register_new_resolver("files_stamp", files_stamp)

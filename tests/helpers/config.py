@@ -9,6 +9,9 @@ from .project import ROOT
 
 
 def composed(*overrides: str) -> dict:
+    from specdistill.config import register_resolvers
+
+    register_resolvers()
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=list(overrides))
     return OmegaConf.to_container(cfg, resolve=True)

@@ -57,6 +57,9 @@ class TargetConfig:
     trust_remote_code: bool = False
     attn_implementation: str | None = "sdpa"
     num_threads: int | None = None
+    # target=hf: what the local folder held when params.yaml was composed (config.files_stamp), so DVC reruns the
+    # stages that read the target when its weights change at the same path; read by DVC only
+    stamp: str | None = None
 
     def __post_init__(self) -> None:
         # every stage reads the resolved name: what the data's fingerprint, the records and the engine's job say
