@@ -6,6 +6,7 @@ Run by hand, a script composes `conf/` (so `-m` sweeps work); under DVC it reads
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -57,8 +58,8 @@ def stage_help(stage: str, run: Callable[..., Any]) -> str:
     doc = (sys.modules[run.__module__].__doc__ or "").strip()
     spec = (yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"] or {}).get(stage, {})
     body, items = spec.get("do", spec), list(spec.get("foreach") or [])
-    def shown(path: Any) -> str:  # `${item.needs}` -> `<needs>`: what each item names in dvc.yaml
-        return str(path).replace("${key}", "<key>").replace("${item.", "<").replace("}", ">")
+    def shown(path: Any) -> str:  # `${item.needs}` -> `<needs>`, `${experiment_name}` -> `<experiment_name>`
+        return re.sub(r"\$\{(?:item\.)?([^}]+)\}", r"<\1>", str(path))
 
     reads = [shown(d) for d in body.get("deps", []) if not str(d).startswith(("src/", "pipelines/"))]
     writes = [shown(next(iter(o)) if isinstance(o, dict) else o) for key in ("outs", "metrics", "plots")

@@ -135,6 +135,10 @@ def test_stage_help_says_what_it_does_reads_and_writes():
     assert "train@draft" in out and "Reads:  <data>" in out
     assert "Writes: models/<key>" in out and "loss         ce | fkl | jsd" in out and "--cfg job" in out
     assert len(out.splitlines()) < 60
+    evaluate = subprocess.run([sys.executable, str(ROOT / "pipelines/evaluate.py"), "--help"], capture_output=True,
+                              text=True, timeout=120, check=True).stdout
+    writes = next(line for line in evaluate.splitlines() if line.startswith("Writes: "))
+    assert "metrics/<experiment_name>/<key>.json" in writes and "$" not in writes and "{" not in writes, writes
 
 
 @pytest.mark.parametrize("args", [["loss=tvd", "--cfg", "hydra"], ["--cfg", "hydra", "loss=tvd"]])
