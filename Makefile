@@ -53,6 +53,8 @@ assets: setup
 
 repro: params engine
 	$(BIN)/dvc repro $(STAGES)
+	@$(BIN)/python -c "import yaml; n = yaml.safe_load(open('params.yaml'))['experiment_name']; \
+	print(f'report: reports/{n}/README.md; metrics: metrics/{n}/ (dvc metrics show); plots: plots/{n}/')"
 
 test: setup assets engine
 	$(BIN)/python -m pytest
@@ -61,7 +63,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -m "not slow and not engine and not lossless_full"
 
 lint: setup
-	$(BIN)/ruff check src pipelines tests benchmarks
+	$(BIN)/ruff check src pipelines tests benchmarks hydra_plugins
 
 bench: setup assets
 	$(BIN)/python benchmarks/generate_throughput.py
