@@ -25,6 +25,7 @@ def test_tally_sums_counts_before_dividing():
     s = t.summary(ar=Tally(tokens=12, seconds=4.0))
     assert s["tau"] == round(12 / 7, 4)  # not the mean of 2.0 and 1.0
     assert s["alpha_pos1"] == round(3 / 7, 4) and s["alpha_pos2"] == round(1 / 3, 4)
+    assert (s["attempts_pos1"], s["attempts_pos2"]) == (7, 3)  # what each share is out of
     assert s["speedup"] == 2.0
 
 

@@ -98,6 +98,14 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
 
     written = "\n".join(head_to_head({"compare": read_record(tmp_path / "metrics/compare.json")}))
     assert written.index("| eagle31 | eagle3.1") < written.index("| dflash | DFlash")
+    # a share out of few rounds says how few; many rounds, or a record without the counts, the share alone
+    from specdistill.reporting.tables import FEW_ROUNDS, alpha_cells
+
+    few = {"alpha_pos1": 0.5, "attempts_pos1": 400, "alpha_pos2": 0.0, "attempts_pos2": 3}
+    assert alpha_cells(few) == ["0.50", "0.00 (n=3)"] and FEW_ROUNDS > 3
+    assert alpha_cells({"alpha_pos1": 0.5}) == ["0.50"]
+    spec = metrics["results"]["mtbench"]["T0"]["spec"]
+    assert spec["attempts_pos1"] >= 1 and all(f"attempts_pos{k}" in spec for k in range(1, len(alpha_cells(spec)) + 1))
     details = "\n".join(results_table({"compare": read_record(tmp_path / "metrics/compare.json")}, "mtbench", "T0"))
     assert details.index("speculative (eagle31)") < details.index("speculative (dflash)")  # and the details alike
 

@@ -1,7 +1,8 @@
 """Metrics from per-generation records: counts are summed first and divided last (docs/definitions.md).
 
 - tau: tokens emitted / target forwards, over all generations of a setting (AR gives 1).
-- alpha_pos{k}: accepted / attempted at draft position k, given positions < k were accepted.
+- alpha_pos{k}: accepted / attempted at draft position k, given positions < k were accepted; attempts_pos{k}: the
+  attempts (rounds that drafted position k with every earlier one accepted), what the ratio is out of.
 - tokens_per_s: tokens / seconds; speed-up: a method's tokens/s over AR's on the same prompts in the
   same run (equal to the ratio of wall times at temperature 0, where both emit the same tokens).
 - speedup_ci95: a 95% interval of that ratio over the generations, paired with their AR twins
@@ -61,6 +62,7 @@ class Tally:
         for k, (n, a) in enumerate(zip(self.attempts, self.accepts, strict=True), start=1):
             if n:
                 out[f"alpha_pos{k}"] = round(a / n, 4)
+                out[f"attempts_pos{k}"] = n  # what alpha_pos{k} is out of: deep positions see few rounds
         if self.alpha_exact:  # eq. 4 of docs/definitions.md, checked position by position
             out["alpha_exact_pos1"] = round(sum(self.alpha_exact) / len(self.alpha_exact), 4)
             finite = [k for k in self.kl if math.isfinite(k)]

@@ -72,6 +72,19 @@ def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+FEW_ROUNDS = 20  # an acceptance share from fewer rounds than this is shown with its count
+
+
+def alpha_cells(summary: dict[str, Any]) -> list[str]:
+    """alpha_k of one summary as table cells, each with its count of rounds where that is small (records from before
+    the counts were kept show the share alone)."""
+    cells = []
+    for k, a in enumerate(alphas(summary), start=1):
+        n = summary.get(f"attempts_pos{k}")
+        cells.append(f"{a:.2f} (n={n})" if n is not None and n < FEW_ROUNDS else _fmt(a))
+    return cells
+
+
 def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     """Runs with rivals (eval.rivals): each drafter beside the others, measured in the one run against one AR:
     tau, acceptance by position, the draft's share of decode time and the speed-up with its interval."""
@@ -81,7 +94,8 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     lines = ["## Head to head: drafters in one run (`eval.rivals`)", "",
              "Each drafter decoded the same prompts in the same process, interleaved, against the same AR rows, so "
              "the figures differ by the drafts, not by the machine's drift between runs. alpha_k: accepted at draft "
-             "position k given 1..k-1 accepted; draft share: the draft's seconds over draft + verification.", ""]
+             f"position k given 1..k-1 accepted (out of n rounds, shown where fewer than {FEW_ROUNDS}: such a share is "
+             "mostly noise); draft share: the draft's seconds over draft + verification.", ""]
     for name, metrics in runs.items():
         # the run's own draft is named by its method where the run's name is another
         own = f"{metrics['method']} (`{name}`'s own)" if metrics.get("method", name) != name else name
@@ -100,8 +114,8 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
                     s = m.get(row)
                     if not s:
                         continue
-                    a, share = alphas(s) + [None] * shown, draft_share(s)
-                    lines.append(f"| {label} | {_fmt(s.get('tau'))} | " + " | ".join(_fmt(x) for x in a[:shown])
+                    a, share = alpha_cells(s) + ["–"] * shown, draft_share(s)
+                    lines.append(f"| {label} | {_fmt(s.get('tau'))} | " + " | ".join(a[:shown])
                                  + f" | {f'{share:.0%}' if share is not None else '–'} | {speedup_cell(s)} |")
                 lines.append("")
     return lines
