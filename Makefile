@@ -53,8 +53,8 @@ assets: setup
 
 repro: params engine
 	$(BIN)/dvc repro $(STAGES)
-	@$(BIN)/python -c "import yaml; n = yaml.safe_load(open('params.yaml'))['experiment_name']; \
-	print(f'report: reports/{n}/README.md; metrics: metrics/{n}/ (dvc metrics show); plots: plots/{n}/')"
+	@$(BIN)/python -c "import yaml; p = yaml.safe_load(open('params.yaml'))['paths']; \
+	print(f'report: {p[\"reports_dir\"]}/README.md; metrics: {p[\"metrics_dir\"]}/ (dvc metrics show); plots: {p[\"plots_dir\"]}/')"
 
 test: setup assets engine
 	$(BIN)/python -m pytest

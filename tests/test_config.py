@@ -152,35 +152,46 @@ def test_overrides_before_or_after_a_flag_keep_the_stages_name(args):
     assert "    name: train\n" in out.stdout and "- loss@methods.draft.loss=tvd" in out.stdout
 
 
-def test_a_local_targets_stamp_follows_its_files(tmp_path):
+def test_a_local_targets_stamp_follows_its_files(tmp_path, monkeypatch):
     """target=hf with a local folder: `target.stamp` names what the folder holds when params.yaml is composed (by
     DVC's own composition, through hydra_plugins/), so weights replaced at the same path change the params every
-    target-reading stage depends on; untouched files and a download's .cache/ leave it as it was; a hub id has none."""
+    target-reading stage depends on. The same files elsewhere or touched (a teammate's copy), or a download's
+    .cache/, leave it as it was; a hub id or a missing path has none."""
     import os
+    import shutil
 
     from dvc.utils.hydra import compose_and_dump
 
+    from specdistill.config import files_stamp
+
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))  # each file's sha256, kept under its stat
     model = tmp_path / "model"
     (model / ".cache").mkdir(parents=True)
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"\0" * 64)
 
-    def stamp(name_or_path: str) -> str | None:  # as `dvc exp run` composes: plugins from the repository root
+    def stamp(*overrides: str) -> str | None:  # as `dvc exp run` composes: plugins from the repository root
         out = tmp_path / "params.yaml"
-        compose_and_dump(out, str(ROOT / "conf"), None, "config", str(ROOT),
-                         ["target=hf", f"target.name_or_path={name_or_path}"])
+        compose_and_dump(out, str(ROOT / "conf"), None, "config", str(ROOT), ["target=hf", *overrides])
         return yaml.safe_load(out.read_text())["target"]["stamp"]
 
-    first = stamp(str(model))
+    first = stamp(f"target.name_or_path={model}")
     assert first is not None and first.startswith("2 files:")
+    assert (tmp_path / "cache/file_sha256.json").exists()
     (model / ".cache" / "lock").write_text("x")  # the hub client's bookkeeping: not the model
-    assert stamp(str(model)) == first
+    st = (model / "config.json").stat()
+    os.utime(model / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))  # touched, not changed
+    assert files_stamp(str(model)) == first
+    shutil.copytree(model, tmp_path / "copy")  # the same files elsewhere, new times
+    assert files_stamp(str(tmp_path / "copy")) == first
     (model / "model.safetensors").write_bytes(b"\1" * 64)  # new weights, same size, same path
-    st = (model / "model.safetensors").stat()
-    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    assert stamp(str(model)) not in (None, first)
-    assert stamp("HuggingFaceTB/SmolLM2-135M-Instruct") is None
-    assert composed("target=hf", f"target.name_or_path={model}")["target"]["stamp"] == stamp(str(model))
+    changed = stamp(f"target.name_or_path={model}")
+    assert changed not in (None, first)
+    assert stamp("target.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct") is None
+    assert files_stamp(None) is None and files_stamp("") is None  # not the current folder
+    assert composed("target=hf", f"target.name_or_path={model}")["target"]["stamp"] == changed
+    # no name_or_path: the stamp is null, and the missing key is the stage's to name (as before the stamp)
+    assert composed("target=hf")["target"]["stamp"] is None
     # what DVC watches: every stage that loads the target lists the whole `target` section among its params
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     for name in ("generate", "features", "train", "evaluate", "online", "export", "serve"):

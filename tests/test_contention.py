@@ -70,3 +70,16 @@ def test_a_reaped_child_counts_as_ours_where_the_work_runs_in_one(tmp_path):
     child = (contention.own_and_children_cpu_seconds() - before) / ((time.monotonic() - t0) * len(alone.cpus))
     assert child > 0.2 and without >= child - 0.05, (without, with_child, child)  # RUSAGE_SELF: the child is others'
     assert with_child == pytest.approx(max(0.0, without - child), abs=0.05), (without, with_child, child)
+
+
+def test_the_engines_bound_cores_are_the_ones_measured():
+    """serve.threads binds the engine to some cores (VLLM_CPU_OMP_THREADS_BIND): the share is over those, so a
+    process on one of them counts in full and one on another core does not."""
+    from specdistill.evaluation.contention import cpu_list
+
+    assert cpu_list("0-1") == {0, 1} and cpu_list("0,2,4-5") == {0, 2, 4, 5} and cpu_list("0-1|2-3") == {0, 1, 2, 3}
+    assert cpu_list(None) is None and cpu_list("auto") is None and cpu_list("nobind") is None
+    allowed = Contention().cpus
+    one = min(allowed)
+    assert Contention(cpus={one}).cpus == {one}
+    assert Contention(cpus={max(allowed) + 64}).cpus == allowed  # cores this process may not use: all of its own

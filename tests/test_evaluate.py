@@ -197,10 +197,20 @@ def test_eval_sets_are_checked_at_start(datasets, match):
         section(ServeConfig, {**composed()["serve"], "datasets": datasets}, "serve")
 
 
+def test_a_conversation_is_measured_once_by_its_longest_context():
+    """prepare writes a conversation's first k user turns as rows <conv>#1..#k (val): measured, their shared first
+    turn would count twice; the benchmarks' ids have no such suffix and keep every row."""
+    from specdistill.evaluation.prompts import one_per_conversation
+
+    assert one_per_conversation(["a#1", "a#2", "b#1", "c#2", "c#1"], [1, 2, 1, 2, 1]) == [1, 2, 3]
+    assert one_per_conversation(["81", "82", "HumanEval/0"], [2, 2, 1]) == [0, 1, 2]
+
+
 def test_a_prompt_set_prepare_did_not_write_is_named_with_those_it_did(tmp_path):
     from specdistill.evaluation.prompts import load_conversations
 
     save_mtbench(tmp_path)
+    (tmp_path / "train").mkdir()  # not offered: the drafts were trained on it
     with pytest.raises(FileNotFoundError, match="holds mtbench; name one of those"):
         load_conversations(tmp_path, "my_traffic", 1)
     with pytest.raises(FileNotFoundError, match="run the prepare stage first"):

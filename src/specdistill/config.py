@@ -4,14 +4,17 @@ helper every stage and every method's config goes through (the defaults themselv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import json
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 from specdistill.errors import ConfigError
+from specdistill.io import cache_root, sha256_file, write_json
 
 T = TypeVar("T")
 
@@ -72,24 +75,47 @@ def _in_range(v: Any, interval: str) -> bool:
     return (lo <= v if interval[0] == "[" else lo < v) and (v <= hi if interval[-1] == "]" else v < hi)
 
 
-def files_stamp(path: str) -> str | None:
-    """What a local model folder holds when the config is composed: a digest of each file's relative path, size and
-    modification time (what make compares; dot-folders such as a download's .cache/ left out). It goes into
-    params.yaml (`target.stamp`, conf/target/hf.yaml), so weights replaced at the same path change the params the
-    target's stages read and DVC reruns them; DVC tracks the default target's file itself. None for what is not a
-    local path: a hub id is pinned by target.revision."""
+def files_stamp(path: str | None) -> str | None:
+    """What a local model folder holds when the config is composed: a digest of each file's relative path and
+    sha256 (dot-folders such as a download's .cache/ left out). It goes into params.yaml (`target.stamp`,
+    conf/target/hf.yaml), so weights replaced at the same path change the params the target's stages read and DVC
+    reruns them, while a copy of the same weights elsewhere (a teammate's clone, new modification times) gives the
+    same stamp. Each file's sha256 is kept in the project's cache under its path, size, mtime and inode, so only a
+    changed file is read again. None for what is not a local path: a hub id is pinned by target.revision."""
+    if not path:
+        return None
     root = Path(path)
     if not root.exists():
         return None
     files = [root] if root.is_file() else sorted(
         f for f in root.rglob("*") if f.is_file() and not any(part.startswith(".") for part in
                                                               f.relative_to(root).parts))
-    h = hashlib.sha256()
+    known = _hash_cache()
+    h, fresh = hashlib.sha256(), {}
     for f in files:
         st = f.stat()
-        h.update(f"{f.relative_to(root).as_posix() if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n"
-                 .encode())
+        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+        digest = known.get(key) or fresh.setdefault(key, sha256_file(f))
+        h.update(f"{f.relative_to(root).as_posix() if f != root else f.name}\0{digest}\n".encode())
+    if fresh:
+        _hash_cache({**known, **fresh})
     return f"{len(files)} files:{h.hexdigest()[:16]}"
+
+
+def _hash_cache(update: dict[str, str] | None = None) -> dict[str, str]:
+    """files_stamp's sha256 per file key, in `<cache>/file_sha256.json` (nothing kept with SPECDISTILL_CACHE=off)."""
+    root = cache_root()
+    if root is None:
+        return {}
+    path = root / "file_sha256.json"
+    if update is None:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+    with contextlib.suppress(OSError):
+        write_json(path, update)
+    return update
 
 
 def register_resolvers() -> None:

@@ -18,6 +18,19 @@ from typing import Any
 
 from specdistill.outputs import check_replaceable, mark
 
+CACHE_ENV = "SPECDISTILL_CACHE"
+
+
+def cache_root() -> Path | None:
+    """The project's cache folder (`$SPECDISTILL_CACHE`, else `$XDG_CACHE_HOME/specdistill`, `~/.cache/...`), or
+    None when `SPECDISTILL_CACHE=off`."""
+    env = os.environ.get(CACHE_ENV, "")
+    if env.lower() in ("off", "0", "false", "none"):
+        return None
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdistill"
+
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()

@@ -50,7 +50,8 @@ def own_cpu_seconds() -> float:
 def own_and_children_cpu_seconds() -> float:
     """CPU seconds of this process and of the children it has waited for (and theirs): where the measured work runs
     in a child, as the serve stage's engine worker does, read it after the child is reaped. A child still running
-    (W&B's service) is not counted yet, so it stays among the others."""
+    (W&B's service) is not counted yet, so it stays among the others; so does a grandchild its parent did not wait
+    for (an engine core killed at shut-down with `serve.multiprocessing=true`): its time would read as others'."""
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own_cpu_seconds() + kids.ru_utime + kids.ru_stime
 
@@ -69,15 +70,34 @@ def busy_lines(shares: dict[str, float | None], runs: str = "runs") -> list[str]
     return lines
 
 
+def cpu_list(spec: str | None) -> set[int] | None:
+    """The CPUs a bind list names ("0-1", "0,2,4-7", vLLM's "0-31|32-63" for several ranks); None for none or a
+    word ("auto", "nobind")."""
+    if not spec:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in str(spec).replace("|", ",").split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus |= set(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        return None
+    return cpus or None
+
+
 class Contention:
     """Others' share of this process's CPUs over a window: (the CPUs' busy seconds less our own) / (wall seconds x
     CPUs). `start()`, then `stop()` returns it (None where /proc/stat is unreadable); `busy`, `own` and `clock` are
     injectable for tests."""
 
     def __init__(self, busy: Callable[[set[int]], float | None] = cpus_busy_seconds,
-                 own: Callable[[], float] = own_cpu_seconds, clock: Callable[[], float] = time.monotonic):
+                 own: Callable[[], float] = own_cpu_seconds, clock: Callable[[], float] = time.monotonic,
+                 cpus: set[int] | None = None):
         self.busy, self.own, self.clock = busy, own, clock
-        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        # the measured work's own cores where it is bound to some (the engine's VLLM_CPU_OMP_THREADS_BIND): others'
+        # use of the rest does not slow it, and theirs on these is diluted by the rest's idle time
+        self.cpus = (cpus & allowed) or allowed if cpus else allowed
 
     def start(self) -> Contention:
         self._at = (self.busy(self.cpus), self.own(), self.clock())

@@ -44,7 +44,7 @@ def load_prompts(prompts_dir: str | Path, split: str) -> Any:
 
     path = Path(prompts_dir) / split
     if not path.is_dir():
-        there = sorted(p.name for p in Path(prompts_dir).glob("*") if p.is_dir())
+        there = sorted(p.name for p in Path(prompts_dir).glob("*") if p.is_dir() and p.name != TRAINED_ON)
         own = split not in (*BENCHMARKS, HELD_OUT, TRAINED_ON)  # not a set prepare writes: a name to correct
         raise FileNotFoundError(f"prompt split {path} is missing: " + (
             f"{prompts_dir} holds {', '.join(there)}; name one of those" if there and own
@@ -63,21 +63,34 @@ def stratified_order(categories: list[str], from_end: bool = False) -> list[int]
     return [q[r] for r in range(max(map(len, queues), default=0)) for q in queues if r < len(q)]
 
 
+def one_per_conversation(ids: list[str], n_turns: list[int]) -> list[int]:
+    """Row indices with one context per conversation, its longest: prepare writes a conversation's first k user
+    turns as rows `<conv>#1..#k` (val), whose first turns are the same prompt; measured twice, it would count twice
+    (and the engine would serve it from its prefix cache). Sets without such ids (the benchmarks) keep every row."""
+    best: dict[str, int] = {}
+    for i, rid in enumerate(ids):
+        conv = rid.rsplit("#", 1)[0] if "#" in rid else rid
+        if conv not in best or n_turns[i] > n_turns[best[conv]]:
+            best[conv] = i
+    return sorted(best.values())
+
+
 def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test",
                        test_n: int | None = None) -> list[Conversation]:
     """n conversations of set `name`, its categories in turn: the first n rows of each category (test), or
     the last n (dev: the same mix of categories, other prompts). Dev must not reach the `test_n` (default n)
     test prompts that are reported: settings tuned on them would overstate the result."""
     ds = load_prompts(prompts_dir, name)
-    categories = list(ds["category"])
-    order = stratified_order(categories)
+    kept = one_per_conversation(list(ds["id"]), [len(t) for t in ds["turns"]])
+    categories = [ds["category"][i] for i in kept]
+    order = [kept[i] for i in stratified_order(categories)]
     if split == "test":
         rows = order[:n]
     elif split == "dev":
-        rows = stratified_order(categories, from_end=True)[:n]
+        rows = [kept[i] for i in stratified_order(categories, from_end=True)][:n]
         reported = order[:n if test_n is None else test_n]
         if set(rows) & set(reported):
-            raise ConfigError(f"dev split: {n} dev prompts of {name} ({len(ds)} rows) would overlap its "
+            raise ConfigError(f"dev split: {n} dev prompts of {name} ({len(kept)} rows) would overlap its "
                               f"{len(reported)} test prompts; lower the dev count (eval.num_prompts, or the "
                               "benchmark's --prompts) so that dev + test fit in the set")
     else:

@@ -19,23 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from specdistill.io import sha256_file
+from specdistill.io import CACHE_ENV, cache_root, sha256_file  # noqa: F401 (CACHE_ENV: the tests set it)
 from specdistill.models.hf_folder import folder_info, hf_state, write_hf_folder
 
 log = logging.getLogger(__name__)
-
-CACHE_ENV = "SPECDISTILL_CACHE"
-
-
-def cache_root() -> Path | None:
-    """The cache folder, or None when `SPECDISTILL_CACHE=off`."""
-    env = os.environ.get(CACHE_ENV, "")
-    if env.lower() in ("off", "0", "false", "none"):
-        return None
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdistill"
-
 
 @lru_cache(maxsize=8)
 def _gguf_sha256(path: str, size: int, mtime_ns: int) -> str:

@@ -8,7 +8,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from specdistill.evaluation.contention import busy_lines
 from specdistill.records import read_records
 
 
@@ -95,9 +94,7 @@ def serving_tables(serve: dict[str, dict[str, Any]]) -> list[str]:
                   "start cannot give (each step costs at least a target forward and yields tau tokens): the engine "
                   "alone was slowed in that start, e.g. by another process. " + ", ".join(
                       f"{method} {cell}" for method, cell in suspect[:8]) + (" ..." if len(suspect) > 8 else "")]
-    shares = {f"serve@{method}": m["settings"].get("others_cpu_share") for method, m in serve.items()}
-    lines += ["", *busy_lines(shares, "engine stages")]
-    lines += ["Cold start of each engine (s; where `stop_s` is recorded the starts shared one process, and "
+    lines += ["", "Cold start of each engine (s; where `stop_s` is recorded the starts shared one process, and "
               "the first paid vLLM's lazy imports): " + "; ".join(
         f"{method}: " + ", ".join(f"{s} {v:.0f}" for s, v in m.get("cold_start_s", {}).items())
         for method, m in serve.items()), ""]

@@ -120,7 +120,9 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
         lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
                   "its own run, but compare speed-ups across runs only on the same kind of machine.", ""]
-    lines += busy_lines({n: m["settings"].get("others_cpu_share") for n, m in all_metrics.items()})
+    # evaluate runs and the engine stages (whose speed-ups the summary above shows too)
+    lines += busy_lines({**{n: m["settings"].get("others_cpu_share") for n, m in all_metrics.items()},
+                         **{f"serve@{n}": m["settings"].get("others_cpu_share") for n, m in (serve or {}).items()}})
     dev = sorted(n for n, m in all_metrics.items() if m["settings"].get("split", "test") != "test")
     if dev and len(dev) < len(all_metrics):  # tuned-on prompts beside reported ones would not compare
         lines += [f"**Not comparable: {', '.join(dev)} ran on the dev prompts (`eval.split=dev`), the others on the "

@@ -34,7 +34,7 @@ from specdistill.engine.serving import (
     speculative_config,
     summarise,
 )
-from specdistill.evaluation.contention import Contention, busy_warning, own_and_children_cpu_seconds
+from specdistill.evaluation.contention import Contention, busy_warning, cpu_list, own_and_children_cpu_seconds
 from specdistill.evaluation.prompts import chat_encoder, load_conversations
 from specdistill.export.target import ExportError, exported_fingerprint
 from specdistill.hardware import environment
@@ -88,9 +88,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     log.info("engine: %s", "; ".join(f"{setting} ({spec or 'no speculation'})" for setting, spec in settings))
     jobs = [{**job(scfg, str(target_dir), prompts, stops, dtype, spec, max_model_len), "label": setting}
             for setting, spec in settings]
-    # what else ran on our CPUs while the engines measured: the engine works in our child (the worker), counted as
-    # ours once it is reaped; the share covers every engine start, the deployed schedule's too
-    busy = Contention(own=own_and_children_cpu_seconds).start()
+    # what else ran on the engine's cores (serve.threads) while it measured: the engine works in our child (the
+    # worker), counted as ours once it is reaped; the share covers every engine start, the deployed schedule's too
+    busy = Contention(own=own_and_children_cpu_seconds, cpus=cpu_list(scfg.threads)).start()
     results = dict(zip((s for s, _ in settings), run_engines(jobs, **engine_kw), strict=True))
     for setting, res in results.items():
         log.info("engine: %s cold start %.0f s, shut down in %.0f s", setting, res["cold_start_s"], res["stop_s"])
