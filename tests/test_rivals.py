@@ -104,6 +104,10 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
     few = {"alpha_pos1": 0.5, "attempts_pos1": 400, "alpha_pos2": 0.0, "attempts_pos2": 3}
     assert alpha_cells(few) == ["0.50", "0.00 (n=3)"] and FEW_ROUNDS > 3
     assert alpha_cells({"alpha_pos1": 0.5}) == ["0.50"]
+    assert "out of n rounds" in table  # this run recorded them; a record from before says it did not
+    spec_only = {k: v for k, v in metrics["results"]["mtbench"]["T0"]["spec"].items() if not k.startswith("attempts")}
+    old = {**metrics, "results": {"mtbench": {"T0": {**metrics["results"]["mtbench"]["T0"], "spec": spec_only}}}}
+    assert "were not recorded in every run here" in "\n".join(head_to_head({"compare": old}))
     spec = metrics["results"]["mtbench"]["T0"]["spec"]
     assert spec["attempts_pos1"] >= 1 and all(f"attempts_pos{k}" in spec for k in range(1, len(alpha_cells(spec)) + 1))
     details = "\n".join(results_table({"compare": read_record(tmp_path / "metrics/compare.json")}, "mtbench", "T0"))

@@ -91,11 +91,16 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     runs = {n: m for n, m in sorted(all_metrics.items()) if m["settings"].get("rivals")}
     if not runs:
         return []
+    counted = all("attempts_pos1" in s for m in runs.values() for temps in m["results"].values()
+                  for cells in temps.values() for row, s in cells.items() if row != "ar" and "alpha_pos1" in s)
+    rounds = (f"out of n rounds, shown where fewer than {FEW_ROUNDS}: such a share is mostly noise" if counted else
+              "the rounds behind each share were not recorded in every run here, so a deep position's share may rest "
+              "on a few")
     lines = ["## Head to head: drafters in one run (`eval.rivals`)", "",
              "Each drafter decoded the same prompts in the same process, interleaved, against the same AR rows, so "
              "the figures differ by the drafts, not by the machine's drift between runs. alpha_k: accepted at draft "
-             f"position k given 1..k-1 accepted (out of n rounds, shown where fewer than {FEW_ROUNDS}: such a share is "
-             "mostly noise); draft share: the draft's seconds over draft + verification.", ""]
+             f"position k given 1..k-1 accepted ({rounds}); draft share: the draft's seconds over draft + "
+             "verification.", ""]
     for name, metrics in runs.items():
         # the run's own draft is named by its method where the run's name is another
         own = f"{metrics['method']} (`{name}`'s own)" if metrics.get("method", name) != name else name
