@@ -4,17 +4,15 @@ helper every stage and every method's config goes through (the defaults themselv
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import json
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 from specdistill.errors import ConfigError
-from specdistill.io import cache_root, sha256_file, write_json
+from specdistill.io import sha256_cached
 
 T = TypeVar("T")
 
@@ -90,32 +88,10 @@ def files_stamp(path: str | None) -> str | None:
     files = [root] if root.is_file() else sorted(
         f for f in root.rglob("*") if f.is_file() and not any(part.startswith(".") for part in
                                                               f.relative_to(root).parts))
-    known = _hash_cache()
-    h, fresh = hashlib.sha256(), {}
+    h = hashlib.sha256()
     for f in files:
-        st = f.stat()
-        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-        digest = known.get(key) or fresh.setdefault(key, sha256_file(f))
-        h.update(f"{f.relative_to(root).as_posix() if f != root else f.name}\0{digest}\n".encode())
-    if fresh:
-        _hash_cache({**known, **fresh})
+        h.update(f"{f.relative_to(root).as_posix() if f != root else f.name}\0{sha256_cached(f)}\n".encode())
     return f"{len(files)} files:{h.hexdigest()[:16]}"
-
-
-def _hash_cache(update: dict[str, str] | None = None) -> dict[str, str]:
-    """files_stamp's sha256 per file key, in `<cache>/file_sha256.json` (nothing kept with SPECDISTILL_CACHE=off)."""
-    root = cache_root()
-    if root is None:
-        return {}
-    path = root / "file_sha256.json"
-    if update is None:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {}
-    with contextlib.suppress(OSError):
-        write_json(path, update)
-    return update
 
 
 def register_resolvers() -> None:

@@ -32,6 +32,27 @@ def cache_root() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdistill"
 
 
+def sha256_cached(path: str | Path) -> str:
+    """sha256_file, kept in the project's cache (`<cache>/file_sha256.json`) under the file's path, size, mtime and
+    inode, as DVC keeps its hashes: a file is read again only when it changed (nothing kept with
+    SPECDISTILL_CACHE=off)."""
+    p = Path(path)
+    st = p.stat()
+    key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    root = cache_root()
+    store = root / "file_sha256.json" if root is not None else None
+    known: dict[str, str] = {}
+    if store is not None:
+        with contextlib.suppress(OSError, ValueError):
+            known = json.loads(store.read_text())
+    if key not in known:
+        known[key] = sha256_file(p)
+        if store is not None:
+            with contextlib.suppress(OSError):
+                write_json(store, known)
+    return known[key]
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -97,7 +97,7 @@ class Contention:
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         # the measured work's own cores where it is bound to some (the engine's VLLM_CPU_OMP_THREADS_BIND): others'
         # use of the rest does not slow it, and theirs on these is diluted by the rest's idle time
-        self.cpus = (cpus & allowed) or allowed if cpus else allowed
+        self.cpus = ((cpus & allowed) or allowed) if cpus else allowed
 
     def start(self) -> Contention:
         self._at = (self.busy(self.cpus), self.own(), self.clock())

@@ -82,7 +82,8 @@ def load_conversations(prompts_dir: Path, name: str, n: int, split: str = "test"
     test prompts that are reported: settings tuned on them would overstate the result."""
     ds = load_prompts(prompts_dir, name)
     kept = one_per_conversation(list(ds["id"]), [len(t) for t in ds["turns"]])
-    categories = [ds["category"][i] for i in kept]
+    column = ds["category"]  # one read of the column, not one per row
+    categories = [column[i] for i in kept]
     order = [kept[i] for i in stratified_order(categories)]
     if split == "test":
         rows = order[:n]
