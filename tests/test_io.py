@@ -22,3 +22,31 @@ def test_a_failed_block_leaves_nothing(tmp_path):
         tmp.write_text("half")
         raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sha256_cached_reads_a_file_once_and_keeps_one_entry_per_path(tmp_path, monkeypatch):
+    """A file's hash is kept across processes under its stat (the target's weights are not read again each stage);
+    an edited file is read again and its old entry dropped, so the store does not grow with edits."""
+    import hashlib
+    import json
+    import os
+
+    from specdistill import io
+
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"a" * 100)
+    reads = []
+    real = io.sha256_file
+    monkeypatch.setattr(io, "sha256_file", lambda p: reads.append(p) or real(p))
+    assert io.sha256_cached(f) == hashlib.sha256(b"a" * 100).hexdigest()
+    assert io.sha256_cached(f) == hashlib.sha256(b"a" * 100).hexdigest() and len(reads) == 1  # from the store
+    st = f.stat()
+    f.write_bytes(b"b" * 100)  # same size; a new mtime
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert io.sha256_cached(f) == hashlib.sha256(b"b" * 100).hexdigest() and len(reads) == 2
+    store = json.loads((tmp_path / "cache/file_sha256.json").read_text())
+    assert list(store.values()) == [hashlib.sha256(b"b" * 100).hexdigest()]
+    monkeypatch.setenv("SPECDISTILL_CACHE", "off")  # nothing kept: read each time
+    io.sha256_cached(f), io.sha256_cached(f)
+    assert len(reads) == 4

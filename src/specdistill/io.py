@@ -35,10 +35,11 @@ def cache_root() -> Path | None:
 def sha256_cached(path: str | Path) -> str:
     """sha256_file, kept in the project's cache (`<cache>/file_sha256.json`) under the file's path, size, mtime and
     inode, as DVC keeps its hashes: a file is read again only when it changed (nothing kept with
-    SPECDISTILL_CACHE=off)."""
+    SPECDISTILL_CACHE=off). Processes writing at once may drop each other's new entry: it is hashed again later."""
     p = Path(path)
     st = p.stat()
-    key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    where = f"{p.resolve()}|"
+    key = f"{where}{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
     root = cache_root()
     store = root / "file_sha256.json" if root is not None else None
     known: dict[str, str] = {}
@@ -46,6 +47,8 @@ def sha256_cached(path: str | Path) -> str:
         with contextlib.suppress(OSError, ValueError):
             known = json.loads(store.read_text())
     if key not in known:
+        # a path keeps one entry: its older versions go, so the store grows with the files hashed, not their edits
+        known = {k: v for k, v in known.items() if not k.startswith(where)}
         known[key] = sha256_file(p)
         if store is not None:
             with contextlib.suppress(OSError):

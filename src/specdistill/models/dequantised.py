@@ -19,18 +19,19 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from specdistill.io import CACHE_ENV, cache_root, sha256_file  # noqa: F401 (CACHE_ENV: the tests set it)
+from specdistill.io import CACHE_ENV, cache_root, sha256_cached  # noqa: F401 (CACHE_ENV: the tests set it)
 from specdistill.models.hf_folder import folder_info, hf_state, write_hf_folder
 
 log = logging.getLogger(__name__)
 
 @lru_cache(maxsize=8)
 def _gguf_sha256(path: str, size: int, mtime_ns: int) -> str:
-    return sha256_file(path)
+    return sha256_cached(path)
 
 
 def gguf_sha256(path: Path) -> str:
-    """The file's sha256, hashed once per process (keyed by size and mtime, so a replaced file is hashed again)."""
+    """The file's sha256: read once (io.sha256_cached keeps it across processes under the file's stat, so a replaced
+    file is hashed again), then remembered for the process."""
     st = path.stat()
     return _gguf_sha256(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
