@@ -93,6 +93,21 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
     split = "\n".join(time_split({"compare": metrics}))
     assert all(f"| {r} | mtbench/T0 |" in split for r in ("compare", "eagle31", "dflash"))
     assert head_to_head({"eagle": {**metrics, "settings": {**metrics["settings"], "rivals": {}}}}) == []
+    # the summary's one row per method draws on the rivals too (cpu_full runs compare alone)
+    import copy
+
+    from specdistill.reporting.summary import summary_table
+
+    rows = [line for line in summary_table({"compare": metrics}) if line.startswith("| ") and "---" not in line][1:]
+    assert sorted((r.split(" | ")[0], r.split("(`")[-1].split("`)")[0]) for r in rows) == [
+        ("| DFlash", "compare: dflash"), ("| EAGLE-3", "compare"), ("| EAGLE-3.1", "compare: eagle31")]
+    same = copy.deepcopy(metrics)  # a rival of the run's own method, faster everywhere: its row replaces the run's
+    same["settings"]["rivals"]["eagle31"]["eagle_variant"] = "eagle3"
+    for temps in same["results"].values():
+        for cell in temps.values():
+            cell["eagle31"]["speedup"] = cell["spec"]["speedup"] * 1.5
+    rows = [line for line in summary_table({"compare": same}) if line.startswith("| EAGLE-3 |")]
+    assert len(rows) == 1 and "(`compare: eagle31`)" in rows[0]
     # the record on disk has sorted keys (dflash before eagle31); the report lists the rivals as eval.rivals does
     from specdistill.records import read_record
 

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from specdistill.methods import describe
-from specdistill.reporting import branch_of, companion
+from specdistill.reporting import branch_of, companion, drafted
 from specdistill.reporting.tables import draft_label, speedup_cell
 
 
@@ -25,31 +25,44 @@ def geomean_speedup(metrics: dict[str, Any]) -> float:
     return statistics.geometric_mean(xs) if xs else 0.0
 
 
-def best_per_method(all_metrics: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """{family: the evaluated run with the best geomean speed-up}: the one setting a user would deploy."""
-    best: dict[str, str] = {}
+def candidates(all_metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{label: a record of one draft's rows} for each evaluated run's own draft and each of its rivals' (eval.rivals):
+    a rival is a setting of its method as much as a run of its own is, so `compare`'s EAGLE-3.1 and DFlash rows
+    reach the summary where no evaluate@<method> ran (the cpu_full experiment runs compare alone)."""
+    out = {}
     for name, m in sorted(all_metrics.items()):
+        for row, label, record in drafted(name, m):
+            results = {d: {t: {"spec": rows[row]} for t, rows in temps.items() if row in rows}
+                       for d, temps in m["results"].items()}
+            out[name if row == "spec" else f"{name}: {label}"] = {**record, "results": results}
+    return out
+
+
+def best_per_method(all_metrics: dict[str, dict[str, Any]]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """{family: (label, record)} of the draft with the best geomean speed-up: the one setting a user would deploy."""
+    best: dict[str, tuple[str, dict[str, Any]]] = {}
+    for label, m in candidates(all_metrics).items():
         f = family(m)
-        if f not in best or geomean_speedup(m) > geomean_speedup(all_metrics[best[f]]):
-            best[f] = name
-    return dict(sorted(best.items(), key=lambda kv: -geomean_speedup(all_metrics[kv[1]])))
+        if f not in best or geomean_speedup(m) > geomean_speedup(best[f][1]):
+            best[f] = (label, m)
+    return dict(sorted(best.items(), key=lambda kv: -geomean_speedup(kv[1][1])))
 
 
 def summary_table(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
     cols = sorted({(d, t) for m in all_metrics.values() for d, temps in m["results"].items() for t in temps})
     lines = ["## Summary: the best setting of each method", "",
-             "One row per method: of its evaluated settings, the one with the best geometric-mean speed-up over the",
-             "datasets and temperatures. Each cell: tau (tokens per target forward) and the speed-up over AR in the",
-             "same run, with its 95% interval over prompts. Every run is in the tables below.", "",
+             "One row per method: of its evaluated settings (a run's own draft or a rival's in a head to head), the",
+             "one with the best geometric-mean speed-up over the datasets and temperatures. Each cell: tau (tokens",
+             "per target forward) and the speed-up over AR in the same run, with its 95% interval over prompts. Every",
+             "run is in the tables below.", "",
              "| method | setting (run) | " + " | ".join(f"{d}, T={t[1:]}" for d, t in cols) + " | geomean speed-up |",
              "|---|---|" + "---|" * (len(cols) + 1)]
-    for fam, name in best_per_method(all_metrics).items():
-        m = all_metrics[name]
+    for fam, (label, m) in best_per_method(all_metrics).items():
         cells = []
         for d, t in cols:
             s = m["results"].get(d, {}).get(t, {}).get("spec")
             cells.append(f"tau {s['tau']:.2f}, {speedup_cell(s)}" if s and "tau" in s else "–")
-        lines.append(f"| {fam} | {draft_label(m)[0]} (`{name}`) | " + " | ".join(cells) +
+        lines.append(f"| {fam} | {draft_label(m)[0]} (`{label}`) | " + " | ".join(cells) +
                      f" | {geomean_speedup(m):.2f}x |")
     return lines
 
