@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from specdistill.reporting import alphas, chained_tau, drafted, settings  # noqa: E402
+from specdistill.reporting.tables import FEW_ROUNDS  # noqa: E402
 
 plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 9})
 
@@ -68,6 +69,15 @@ def legend_beside(fig: Any, axes: dict, out: Path, title: str) -> None:
     plt.close(fig)
 
 
+def alpha_axes(axes: dict) -> None:
+    """Axes of acceptance by draft position: 0..1, integer positions, labels on the outer panels."""
+    for ax in axes.values():
+        ax.set(ylim=(0, 1.05), xlabel="draft position k" if ax.get_subplotspec().is_last_row() else "")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("alpha_k (given 1..k-1 accepted)")
+
+
 def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:
     keys, colour = panels(all_metrics)
     fig, axes = grid(keys)
@@ -75,12 +85,46 @@ def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) ->
         a = alphas(m.get("spec", {}))
         if a:
             axes[(dataset, temp)].plot(range(1, len(a) + 1), a, marker="o", color=colour[name], label=name)
-    for ax in axes.values():
-        ax.set(ylim=(0, 1.05), xlabel="draft position k" if ax.get_subplotspec().is_last_row() else "")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("alpha_k (given 1..k-1 accepted)")
+    alpha_axes(axes)
     legend_beside(fig, axes, out, "Acceptance by draft position (our decoder)")
+
+
+def settled_alphas(summary: dict[str, Any], unrecorded: int = 4) -> list[float]:
+    """alpha_1, alpha_2, ... up to the first position reached in fewer than FEW_ROUNDS rounds (one round's 0 or 1
+    is no share); where a record predates the counts, the first `unrecorded` (the head-to-head tables' cap)."""
+    a = alphas(summary)
+    if "attempts_pos1" not in summary:
+        return a[:unrecorded]
+    n = next((k for k in range(len(a)) if summary.get(f"attempts_pos{k + 1}", 0) < FEW_ROUNDS), len(a))
+    return a[:n]
+
+
+def head_to_head(all_metrics: dict[str, dict[str, Any]], out: Path) -> bool:
+    """Acceptance by draft position of every drafter in the runs with rivals (eval.rivals), a colour each: the
+    drafters of one run side by side on the same prompts. False (nothing written) where no run has rivals."""
+    runs = {n: m for n, m in sorted(all_metrics.items()) if m["settings"].get("rivals")}
+
+    def label(name: str, row: str) -> str:  # as the head-to-head tables name them
+        if row == "spec":
+            return f"{runs[name]['method']} ({name}'s own)" if runs[name].get("method", name) != name else name
+        return row if len(runs) == 1 else f"{name}: {row}"
+    lines = [(name, row, label(name, row)) for name, metrics in runs.items() for row, *_ in drafted(name, metrics)]
+    if not lines:
+        return False
+    keys, _ = panels(runs)
+    cmap = plt.get_cmap("tab10" if len(lines) <= 10 else "tab20")
+    fig, axes = grid(keys)
+    for i, (name, row, label) in enumerate(lines):
+        for dataset, temps in runs[name]["results"].items():
+            for temp, rows in temps.items():
+                a = settled_alphas(rows.get(row, {}))
+                if a:
+                    axes[(dataset, temp)].plot(range(1, len(a) + 1), a, marker="o", color=cmap(i % cmap.N),
+                                               label=label)
+    alpha_axes(axes)
+    legend_beside(fig, axes, out, "Head to head: acceptance by draft position in one run (our decoder)\n"
+                  f"positions reached in {FEW_ROUNDS}+ rounds; the first 4 where a run did not count them")
+    return True
 
 
 def speedup_bars(all_metrics: dict[str, dict[str, Any]], out: Path) -> None:

@@ -116,6 +116,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
              "float32 none happens); tokens/s, not wall time, is therefore the ratio.", "",
              *summary_table(all_metrics), *engine_summary(serve or {}), "", *head_to_head(all_metrics)]
+    if any(m["settings"].get("rivals") for m in all_metrics.values()):  # figures.head_to_head drew them
+        lines += ["![head to head: acceptance by position](head_to_head.png)", ""]
     machines = sorted({machine(m["settings"]) for m in all_metrics.values()})
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
         lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
@@ -182,6 +184,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             if curves:
                 alpha_curves(curves, tmp / "alpha_curves.png", {n: curve_label(n, runs[n]) for n in curves})
             figures.acceptance_by_position(all_metrics, tmp / "acceptance_by_position.png")
+            figures.head_to_head(all_metrics, tmp / "head_to_head.png")
             figures.speedup_bars(all_metrics, tmp / "speedup.png")
             figures.tau_vs_k(all_metrics, tmp / "tau_vs_k.png")
         for name, dataset, temp, r in settings(all_metrics):
