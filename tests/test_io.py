@@ -47,6 +47,15 @@ def test_sha256_cached_reads_a_file_once_and_keeps_one_entry_per_path(tmp_path, 
     assert io.sha256_cached(f) == hashlib.sha256(b"b" * 100).hexdigest() and len(reads) == 2
     store = json.loads((tmp_path / "cache/file_sha256.json").read_text())
     assert list(store.values()) == [hashlib.sha256(b"b" * 100).hexdigest()]
+    gone = tmp_path / "gone.bin"  # a file that is deleted leaves the store at the next write
+    gone.write_bytes(b"c")
+    io.sha256_cached(gone)
+    gone.unlink()
+    g = tmp_path / "g.bin"
+    g.write_bytes(b"d")
+    io.sha256_cached(g)
+    store = json.loads((tmp_path / "cache/file_sha256.json").read_text())
+    assert sorted(k.rsplit("|", 3)[0] for k in store) == sorted(str(x.resolve()) for x in (f, g))
     monkeypatch.setenv("SPECDISTILL_CACHE", "off")  # nothing kept: read each time
     io.sha256_cached(f), io.sha256_cached(f)
-    assert len(reads) == 4
+    assert len(reads) == 6

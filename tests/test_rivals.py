@@ -94,18 +94,30 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
     assert all(f"| {r} | mtbench/T0 |" in split for r in ("compare", "eagle31", "dflash"))
     assert head_to_head({"eagle": {**metrics, "settings": {**metrics["settings"], "rivals": {}}}}) == []
     # a figure of the drafters' acceptance by position, side by side; none where no run has rivals
+    import copy
+
     from specdistill.reporting import figures
 
-    assert figures.head_to_head({"compare": metrics}, tmp_path / "h2h.png") and (tmp_path / "h2h.png").stat().st_size
+    def counted(n: int) -> dict:  # the run's record with every position reached in n rounds
+        out = copy.deepcopy(metrics)
+        for temps in out["results"].values():
+            for rows in temps.values():
+                for s in rows.values():
+                    s.update({k: n for k in list(s) if k.startswith("attempts_pos")})
+        return out
+    assert figures.head_to_head({"compare": counted(100)}, tmp_path / "h2h.png")
+    assert (tmp_path / "h2h.png").stat().st_size
     # a position reached in few rounds is left out of it; a record without the counts keeps the tables' four
     few = {"alpha_pos1": 0.5, "attempts_pos1": 40, "alpha_pos2": 1.0, "attempts_pos2": 1}
     assert figures.settled_alphas(few) == [0.5]
     assert figures.settled_alphas({f"alpha_pos{k}": 0.5 for k in range(1, 8)}) == [0.5] * 4
     plain = {**metrics, "settings": {**metrics["settings"], "rivals": {}}}
     assert not figures.head_to_head({"eagle": plain}, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
+    # every position from too few rounds (a smoke-sized run): no figure, and the README links none
+    assert not figures.head_to_head({"compare": counted(1)}, tmp_path / "few.png")
+    assert not (tmp_path / "few.png").exists()
+    assert figures.head_to_head_series({"compare": counted(1)}) == []
     # the summary's one row per method draws on the rivals too (cpu_full runs compare alone)
-    import copy
-
     from specdistill.reporting.summary import summary_table
 
     rows = [line for line in summary_table({"compare": metrics}) if line.startswith("| ") and "---" not in line][1:]

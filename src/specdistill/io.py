@@ -47,8 +47,9 @@ def sha256_cached(path: str | Path) -> str:
         with contextlib.suppress(OSError, ValueError):
             known = json.loads(store.read_text())
     if key not in known:
-        # a path keeps one entry: its older versions go, so the store grows with the files hashed, not their edits
-        known = {k: v for k, v in known.items() if not k.startswith(where)}
+        # a path keeps one entry (its older versions go) and a file that is gone keeps none (a test's temporary
+        # folders), so the store grows with the files that exist, not with their edits
+        known = {k: v for k, v in known.items() if not k.startswith(where) and os.path.exists(k.rsplit("|", 3)[0])}
         known[key] = sha256_file(p)
         if store is not None:
             with contextlib.suppress(OSError):

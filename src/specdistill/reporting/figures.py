@@ -99,28 +99,33 @@ def settled_alphas(summary: dict[str, Any], unrecorded: int = 4) -> list[float]:
     return a[:n]
 
 
-def head_to_head(all_metrics: dict[str, dict[str, Any]], out: Path) -> bool:
-    """Acceptance by draft position of every drafter in the runs with rivals (eval.rivals), a colour each: the
-    drafters of one run side by side on the same prompts. False (nothing written) where no run has rivals."""
+def head_to_head_series(all_metrics: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, list[float]]]:
+    """(drafter, dataset, temperature, its settled alpha_k) for every drafter of the runs with rivals (eval.rivals),
+    named as the head-to-head tables name them; empty where no run has rivals or none reached a settled position."""
     runs = {n: m for n, m in sorted(all_metrics.items()) if m["settings"].get("rivals")}
 
-    def label(name: str, row: str) -> str:  # as the head-to-head tables name them
+    def name_of(run: str, row: str) -> str:
         if row == "spec":
-            return f"{runs[name]['method']} ({name}'s own)" if runs[name].get("method", name) != name else name
-        return row if len(runs) == 1 else f"{name}: {row}"
-    lines = [(name, row, label(name, row)) for name, metrics in runs.items() for row, *_ in drafted(name, metrics)]
-    if not lines:
+            return f"{runs[run]['method']} ({run}'s own)" if runs[run].get("method", run) != run else run
+        return row if len(runs) == 1 else f"{run}: {row}"
+    return [(name_of(run, row), dataset, temp, a)
+            for run, metrics in runs.items() for row, *_ in drafted(run, metrics)
+            for dataset, temps in metrics["results"].items() for temp, rows in temps.items()
+            if (a := settled_alphas(rows.get(row, {})))]
+
+
+def head_to_head(all_metrics: dict[str, dict[str, Any]], out: Path) -> bool:
+    """Acceptance by draft position of every drafter in the runs with rivals, a colour each: the drafters of one run
+    side by side on the same prompts. False (nothing written) where there is nothing to draw."""
+    series = head_to_head_series(all_metrics)
+    if not series:
         return False
-    keys, _ = panels(runs)
-    cmap = plt.get_cmap("tab10" if len(lines) <= 10 else "tab20")
-    fig, axes = grid(keys)
-    for i, (name, row, label) in enumerate(lines):
-        for dataset, temps in runs[name]["results"].items():
-            for temp, rows in temps.items():
-                a = settled_alphas(rows.get(row, {}))
-                if a:
-                    axes[(dataset, temp)].plot(range(1, len(a) + 1), a, marker="o", color=cmap(i % cmap.N),
-                                               label=label)
+    names = list(dict.fromkeys(name for name, *_ in series))
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    fig, axes = grid(sorted({(d, t) for _, d, t, _ in series}))
+    for name, dataset, temp, a in series:
+        axes[(dataset, temp)].plot(range(1, len(a) + 1), a, marker="o", color=cmap(names.index(name) % cmap.N),
+                                   label=name)
     alpha_axes(axes)
     legend_beside(fig, axes, out, "Head to head: acceptance by draft position in one run (our decoder)\n"
                   f"positions reached in {FEW_ROUNDS}+ rounds; the first 4 where a run did not count them")

@@ -116,7 +116,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
              "float32 none happens); tokens/s, not wall time, is therefore the ratio.", "",
              *summary_table(all_metrics), *engine_summary(serve or {}), "", *head_to_head(all_metrics)]
-    if any(m["settings"].get("rivals") for m in all_metrics.values()):  # figures.head_to_head drew them
+    if figures.head_to_head_series(all_metrics):  # what figures.head_to_head draws
         lines += ["![head to head: acceptance by position](head_to_head.png)", ""]
     machines = sorted({machine(m["settings"]) for m in all_metrics.values()})
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
