@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from specdistill.errors import ConfigError
-from specdistill.io import sha256_cached
+from specdistill.io import sha256_cached_all
 
 T = TypeVar("T")
 
@@ -89,8 +89,8 @@ def files_stamp(path: str | None) -> str | None:
         f for f in root.rglob("*") if f.is_file() and not any(part.startswith(".") for part in
                                                               f.relative_to(root).parts))
     h = hashlib.sha256()
-    for f in files:
-        h.update(f"{f.relative_to(root).as_posix() if f != root else f.name}\0{sha256_cached(f)}\n".encode())
+    for f, digest in zip(files, sha256_cached_all(files), strict=True):
+        h.update(f"{f.relative_to(root).as_posix() if f != root else f.name}\0{digest}\n".encode())
     return f"{len(files)} files:{h.hexdigest()[:16]}"
 
 

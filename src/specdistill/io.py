@@ -33,28 +33,37 @@ def cache_root() -> Path | None:
 
 
 def sha256_cached(path: str | Path) -> str:
-    """sha256_file, kept in the project's cache (`<cache>/file_sha256.json`) under the file's path, size, mtime and
+    """sha256_file, kept in the project's cache under the file's stat (`sha256_cached_all`)."""
+    return sha256_cached_all([path])[0]
+
+
+def sha256_cached_all(paths: list[str | Path]) -> list[str]:
+    """Each file's sha256, kept in the project's cache (`<cache>/file_sha256.json`) under its path, size, mtime and
     inode, as DVC keeps its hashes: a file is read again only when it changed (nothing kept with
-    SPECDISTILL_CACHE=off). Processes writing at once may drop each other's new entry: it is hashed again later."""
-    p = Path(path)
-    st = p.stat()
-    where = f"{p.resolve()}|"
-    key = f"{where}{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    SPECDISTILL_CACHE=off). One read and at most one write of the store for all of them. Processes writing at once
+    may drop each other's new entries: those are hashed again later."""
+    keys = []
+    for path in paths:
+        p = Path(path)
+        st = p.stat()
+        keys.append((p, f"{p.resolve()}|", f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"))
     root = cache_root()
     store = root / "file_sha256.json" if root is not None else None
     known: dict[str, str] = {}
     if store is not None:
         with contextlib.suppress(OSError, ValueError):
             known = json.loads(store.read_text())
-    if key not in known:
+    missing = [(p, where, key) for p, where, key in keys if key not in known]
+    if missing:
         # a path keeps one entry (its older versions go) and a file that is gone keeps none (a test's temporary
         # folders), so the store grows with the files that exist, not with their edits
-        known = {k: v for k, v in known.items() if not k.startswith(where) and os.path.exists(k.rsplit("|", 3)[0])}
-        known[key] = sha256_file(p)
+        stale = tuple(where for _, where, _ in missing)
+        known = {k: v for k, v in known.items() if not k.startswith(stale) and os.path.exists(k.rsplit("|", 3)[0])}
+        known.update({key: sha256_file(p) for p, _, key in missing})
         if store is not None:
             with contextlib.suppress(OSError):
                 write_json(store, known)
-    return known[key]
+    return [known[key] for _, _, key in keys]
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -42,6 +42,12 @@ def drafted(name: str, metrics: dict[str, Any]) -> list[tuple[str, str, dict[str
     return [("spec", name, metrics), *((r, r, rival(metrics, r)) for r in rival_names(metrics["settings"]))]
 
 
+def own_label(name: str, metrics: dict[str, Any], quote: str = "") -> str:
+    """The head to head's name for a run's own draft: its method's, where the run is named otherwise ("eagle
+    (compare's own)"), else the run's."""
+    return f"{metrics['method']} ({quote}{name}{quote}'s own)" if metrics.get("method", name) != name else name
+
+
 def alphas(summary: dict[str, Any]) -> list[float]:
     """alpha_pos1, alpha_pos2, ... of one summary, up to the first position never attempted."""
     out = []

@@ -14,8 +14,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from specdistill.reporting import alphas, chained_tau, drafted, settings  # noqa: E402
-from specdistill.reporting.tables import FEW_ROUNDS  # noqa: E402
+from specdistill.reporting import alphas, chained_tau, drafted, own_label, settings  # noqa: E402
+from specdistill.reporting.tables import FEW_ROUNDS, SHOWN_POSITIONS  # noqa: E402
 
 plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 9})
 
@@ -89,7 +89,7 @@ def acceptance_by_position(all_metrics: dict[str, dict[str, Any]], out: Path) ->
     legend_beside(fig, axes, out, "Acceptance by draft position (our decoder)")
 
 
-def settled_alphas(summary: dict[str, Any], unrecorded: int = 4) -> list[float]:
+def settled_alphas(summary: dict[str, Any], unrecorded: int = SHOWN_POSITIONS) -> list[float]:
     """alpha_1, alpha_2, ... up to the first position reached in fewer than FEW_ROUNDS rounds (one round's 0 or 1
     is no share); where a record predates the counts, the first `unrecorded` (the head-to-head tables' cap)."""
     a = alphas(summary)
@@ -106,7 +106,7 @@ def head_to_head_series(all_metrics: dict[str, dict[str, Any]]) -> list[tuple[st
 
     def name_of(run: str, row: str) -> str:
         if row == "spec":
-            return f"{runs[run]['method']} ({run}'s own)" if runs[run].get("method", run) != run else run
+            return own_label(run, runs[run])
         return row if len(runs) == 1 else f"{run}: {row}"
     return [(name_of(run, row), dataset, temp, a)
             for run, metrics in runs.items() for row, *_ in drafted(run, metrics)
@@ -128,7 +128,8 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]], out: Path) -> bool:
                                    label=name)
     alpha_axes(axes)
     legend_beside(fig, axes, out, "Head to head: acceptance by draft position in one run (our decoder)\n"
-                  f"positions reached in {FEW_ROUNDS}+ rounds; the first 4 where a run did not count them")
+                  f"positions reached in {FEW_ROUNDS}+ rounds; the first {SHOWN_POSITIONS} where a run did not "
+                  "count them")
     return True
 
 

@@ -7,7 +7,16 @@ from typing import Any
 from specdistill.evaluation.accounting import expected_accepted_length
 from specdistill.methods import REGISTRY, describe
 from specdistill.records import rival_names
-from specdistill.reporting import alphas, branch_of, chained_tau, companion, drafted, rival, settings
+from specdistill.reporting import (
+    alphas,
+    branch_of,
+    chained_tau,
+    companion,
+    drafted,
+    own_label,
+    rival,
+    settings,
+)
 
 ROW_NAMES = {"ar": "AR (ours, K=0)", "hf_generate": "HF generate", "spec": "speculative (ours)",
              "hf_assisted": "HF assisted (same draft)"}  # then the companions reported beside (eval.beside)
@@ -73,6 +82,7 @@ def time_split(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
 
 
 FEW_ROUNDS = 20  # an acceptance share from fewer rounds than this is shown with its count
+SHOWN_POSITIONS = 4  # draft positions the head to head shows (its figure too, where a run did not count rounds)
 
 
 def alpha_cells(summary: dict[str, Any]) -> list[str]:
@@ -102,10 +112,9 @@ def head_to_head(all_metrics: dict[str, dict[str, Any]]) -> list[str]:
              f"position k given 1..k-1 accepted ({rounds}); draft share: the draft's seconds over draft + "
              "verification.", ""]
     for name, metrics in runs.items():
-        # the run's own draft is named by its method where the run's name is another
-        own = f"{metrics['method']} (`{name}`'s own)" if metrics.get("method", name) != name else name
+        own = own_label(name, metrics, quote="`")
         rows = [(row, own if row == "spec" else label, record) for row, label, record in drafted(name, metrics)]
-        shown = min(4, max((len(alphas(m.get(row, {}))) for temps in metrics["results"].values()
+        shown = min(SHOWN_POSITIONS, max((len(alphas(m.get(row, {}))) for temps in metrics["results"].values()
                             for m in temps.values() for row, *_ in rows), default=0))
         # each drafter's draft once, then one compact table per dataset and temperature (a row per drafter)
         lines += [f"`{name}`: the drafters", "", "| drafter | draft | trained with |", "|---|---|---|",

@@ -96,7 +96,7 @@ def prompt_counts(prompts: Any) -> str:
 
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
            online: list[str] | None = None, serving: list[str] | None = None,
-           serve: dict[str, dict[str, Any]] | None = None) -> str:
+           serve: dict[str, dict[str, Any]] | None = None, head_to_head_png: bool = False) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     # metrics without a split were written before the stratified order: each set's first rows
@@ -116,7 +116,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "rounding the outputs part (`benchmarks/greedy_ties.py`: every divergence sits on such a tie, and in",
              "float32 none happens); tokens/s, not wall time, is therefore the ratio.", "",
              *summary_table(all_metrics), *engine_summary(serve or {}), "", *head_to_head(all_metrics)]
-    if figures.head_to_head_series(all_metrics):  # what figures.head_to_head draws
+    if head_to_head_png:  # figures.head_to_head drew it
         lines += ["![head to head: acceptance by position](head_to_head.png)", ""]
     machines = sorted({machine(m["settings"]) for m in all_metrics.values()})
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
@@ -174,9 +174,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     with wandb_run(cfg.get("logger"), job_type="report", name=f"report@{experiment}", group=experiment,
                    config=cfg) as run_:
         with atomic_path(out, is_dir=True) as tmp:
+            drawn = figures.head_to_head(all_metrics, tmp / "head_to_head.png")  # where it has something to draw
             (tmp / "README.md").write_text(render(all_metrics, experiment,
                                                   render_training(runs, sweep, curves, all_metrics),
-                                                  online_tables(online), serving_tables(serve), serve))
+                                                  online_tables(online), serving_tables(serve), serve, drawn))
             if serve:
                 serving_figure(serve, tmp / "serve_speedup.png")
             if online:
@@ -184,7 +185,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             if curves:
                 alpha_curves(curves, tmp / "alpha_curves.png", {n: curve_label(n, runs[n]) for n in curves})
             figures.acceptance_by_position(all_metrics, tmp / "acceptance_by_position.png")
-            figures.head_to_head(all_metrics, tmp / "head_to_head.png")
             figures.speedup_bars(all_metrics, tmp / "speedup.png")
             figures.tau_vs_k(all_metrics, tmp / "tau_vs_k.png")
         for name, dataset, temp, r in settings(all_metrics):
