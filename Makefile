@@ -51,8 +51,10 @@ params: setup
 assets: setup
 	$(BIN)/python pipelines/fetch_assets.py
 
+# beside a fork server: each stage item DVC starts forks from one interpreter that has imported torch, transformers
+# and Lightning, rather than importing them again (src/specdistill/forkserver.py)
 repro: params engine
-	$(BIN)/dvc repro $(STAGES)
+	$(BIN)/python -m specdistill.forkserver -- $(BIN)/dvc repro $(STAGES)
 	@$(BIN)/python -c "import yaml; p = yaml.safe_load(open('params.yaml'))['paths']; \
 	print(f'report: {p[\"reports_dir\"]}/README.md; metrics: {p[\"metrics_dir\"]}/ (dvc metrics show); plots: {p[\"plots_dir\"]}/')"
 

@@ -12,11 +12,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # runs from a plain checkout too
+
+from specdistill.forkserver import hand_over  # noqa: E402
+
+# under `python -m specdistill.forkserver -- dvc repro` (`make repro`) the stage runs in a child forked from a warm
+# interpreter, which has imported torch, transformers and Lightning once for every item; this process only waits
+hand_over(ROOT / "pipelines")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from specdistill.config import register_resolvers  # noqa: E402
 from specdistill.stages.common import setup_logging  # noqa: E402

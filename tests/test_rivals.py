@@ -246,10 +246,12 @@ def test_a_rival_drafts_in_the_shape_its_item_sets_and_auto_pilots_it_on_the_run
     evals = {**compare_cfg["evals"], "eagle_auto": {"method": "eagle", "depth": "auto"},
              "dflash1": {"method": "dflash", "depth": 1},
              "compare": {"method": "eagle", "rivals": ["eagle_auto", "dflash1"], "temperatures": [0.0]}}
-    metrics = evaluate_stage.run({**compare_cfg, "evals": evals})
+    metrics = evaluate_stage.run({**compare_cfg, "eval": {**compare_cfg["eval"], "pilot_tokens": 12},
+                                  "evals": evals})
     rivals, rows = metrics["settings"]["rivals"], metrics["results"]["mtbench"]["T0"]
     auto = rivals["eagle_auto"]["auto_depth"]
     assert auto["choice"] == choose(auto["predicted"]) and auto["pilot_prompts"] == 1 and auto["pilot_rounds"] > 0
+    assert auto["pilot_tokens"] == 12  # eval.pilot_tokens (smoke runs a short pilot)
     assert all(f"alpha_pos{k}" not in rows["eagle_auto"] for k in range(auto["depth"] + 1, 5))  # capped as chosen
     assert rivals["dflash1"]["depth"] == 1 and "auto_depth" not in rivals["dflash1"]
     assert "alpha_pos1" in rows["dflash1"] and "alpha_pos2" not in rows["dflash1"]  # K=3 capped at one token

@@ -1,6 +1,7 @@
 """The smoke experiment end to end: `dvc repro` of every stage on the real target, in a copy of the checkout.
 
-What a new user runs first (`make repro EXPERIMENT=smoke`). Every stage runs for real (DVC, the SmolLM2 target,
+What a new user runs first (`make repro EXPERIMENT=smoke`), run as that runs it: beside the fork server, so each
+stage item starts warm (`specdistill.forkserver`). Every stage runs for real (DVC, the SmolLM2 target,
 Lightning, the engine), on a handful of prompts, in a temporary copy of the project's files so the checkout's
 own outputs stay as they are. A stage that breaks the chain, or a limit between sections that only shows at
 its stage (online requests against prepared prompts, once found after ~56 minutes), fails this test.
@@ -37,6 +38,8 @@ def test_smoke_runs_every_stage(smoke_checkout):
     code, out, minutes = timed_repro(proj, repro_env(), timeout=3600)
     print("\nsmoke: minutes per stage of `dvc repro`\n" + minutes_table(minutes))
     assert code == 0, (out[-6000:], minutes_table(minutes))
+    # as `make repro` runs it: every stage item forked from the warm server (specdistill.forkserver), none cold
+    assert "stage scripts fork from here" in out and "running cold" not in out, out[-6000:]
     stages = yaml.safe_load((proj / "dvc.lock").read_text())["stages"]
     wanted = yaml.safe_load((proj / "dvc.yaml").read_text())["stages"]
     expected = {f"{name}@{key}" if "foreach" in spec else name

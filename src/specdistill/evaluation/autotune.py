@@ -267,4 +267,5 @@ def choose_depth(model: Any, proposer: Any, depth: int, prompts: list[list[int]]
             "predicted": {k: {f: v if f in ("width", "best") or v is None else round(v, 5) for f, v in p.items()}
                           for k, p in pred.items()},
             "verify_s": {str(n): round(s, 6) for n, s in verify_s.items()}, "pilot_rounds": len(deep.rounds),
-            "pilot_prompts": len(prompts), "max_depth": depth, "seconds": round(time.perf_counter() - t0, 2)}
+            "pilot_prompts": len(prompts), "pilot_tokens": max_new_tokens, "max_depth": depth,
+            "seconds": round(time.perf_counter() - t0, 2)}

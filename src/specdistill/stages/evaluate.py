@@ -49,6 +49,7 @@ class EvalConfig:
     depth: int | str | None = None  # a cap on the draft's depth | "auto": depth and width chosen from measured costs
     width: int | None = None  # a cap on each node's children (1: the tree's path of first children, a chain)
     pilot_prompts: int = 1  # dev prompts per dataset the eval.depth=auto pilot decodes (more: a steadier tau, slower)
+    pilot_tokens: int = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
     hf_baselines: bool = True  # HF generate and HF assisted generation beside ours
     # companions (methods.companions(): prompt lookup, suffix decoding; nothing trained, deterministic trees):
     # beside: each reported alone in the same run, a baseline on the same prompts (evaluate@draft: lookup);
@@ -68,7 +69,7 @@ class EvalConfig:
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "num_prompts": "[1, inf)", "max_new_tokens": "[1, inf)", "temperatures": "[0, 2]", "top_p": "(0, 1]",
         "top_k": "[0, inf)", "k": "[1, 64]", "tree": "[1, 64]", "depth": "[0, 64]", "width": "[1, 64]",
-        "pilot_prompts": "[1, inf)", "capacity": "[64, inf)"}
+        "pilot_prompts": "[1, inf)", "pilot_tokens": "[1, inf)", "capacity": "[64, inf)"}
 
     def __post_init__(self) -> None:
         methods.get(self.method, "evaluate", "eval.method")
@@ -95,10 +96,8 @@ class EvalConfig:
 ROWS = ("ar", "spec", "hf_generate", "hf_assisted", "tau", "speedup")
 # what a rival must share with the item it runs in: the run's measurement, not the draft
 SHARED = ("datasets", "num_prompts", "split", "max_new_tokens", "temperatures", "top_p", "top_k", "capacity", "seed",
-          "pilot_prompts")
+          "pilot_prompts", "pilot_tokens")
 
-
-PILOT_TOKENS = 48  # per pilot generation: enough rounds to count acceptance by position, a few seconds each
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -264,7 +263,8 @@ def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, pilot: lis
                stops: set[int]) -> dict[str, Any]:
     """eval.depth=auto: measured on this machine, on the dev prompts' first turns, before any reported decoding."""
     prompts = [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot]
-    auto = choose_depth(model, spec, deepest, prompts, ecfg.temperatures, PILOT_TOKENS, stops, ecfg.capacity, ecfg.seed)
+    auto = choose_depth(model, spec, deepest, prompts, ecfg.temperatures, ecfg.pilot_tokens, stops, ecfg.capacity,
+                        ecfg.seed)
     log.info("eval.depth=auto (%s): %s (predicted %.2fx over AR; by shape %s) in %.0f s", ecfg.name or ecfg.method,
              auto["choice"],
              auto["predicted"][auto["choice"]]["speedup"],

@@ -1,0 +1,427 @@
+"""A fork server for the stages' processes: one warm interpreter imports the heavy libraries once, and every stage
+item that DVC starts forks from it instead of importing torch, transformers and Lightning again.
+
+    python -m specdistill.forkserver -- dvc repro [ARGS ...]      (`make repro` runs this)
+
+Why: DVC starts a process per stage item, and a smoke-sized item does a few seconds of work after about 5 s of
+imports (docs/findings.md, "What one stage item costs before its work"). DVC still decides and runs every item, with
+its per-item caching; only the interpreter an item runs in comes warm.
+
+How: the wrapper starts the server (in its own process group, so a terminal's Ctrl-C reaches the command and not
+it), puts the server's socket in SPECDISTILL_FORKSERVER, runs the command and stops the server after it. A stage
+script's first import (`pipelines/_entry.py`) calls `hand_over()`, which sends the script's arguments, working
+folder, environment, umask and its stdin / stdout / stderr (SCM_RIGHTS) to the server. The server forks a child that
+becomes that process and runs the script as __main__; the script's own process forwards SIGINT / SIGTERM / SIGHUP to
+the child and exits with its status, and the child ends itself if that process dies.
+
+What keeps it the same run as a cold start: only third-party libraries are preloaded, never this project's code, so
+an edit between two items is seen; the child reseeds `random` and numpy as a fresh process would be seeded; and where
+the server cannot give the same process (another interpreter, interpreter options, an environment that differs
+beyond what a shell and DVC set per command, a lower niceness), the script runs cold and says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = "SPECDISTILL_FORKSERVER"
+MODULE = "specdistill.forkserver"  # not __name__: under `python -m` that is __main__
+# the stages' heavy imports (`python -X importtime pipelines/<stage>.py ...`); importing one a stage does not use
+# costs the server's start once, not the stage
+PRELOAD = ("numpy", "torch", "transformers", "transformers.models.llama.modeling_llama", "lightning.pytorch",
+           "torchmetrics", "hydra", "omegaconf", "datasets", "scipy.stats", "safetensors.torch", "wandb", "yaml",
+           "tqdm")
+# set by a shell or by DVC for each command (DVC_ROOT, DVC_STAGE): no import reads them
+VOLATILE = {"PWD", "OLDPWD", "SHLVL", "_"}
+VOLATILE_PREFIXES = ("DVC_",)
+_ENV_BEFORE: dict[str, str] = {}  # the server's environment before its imports
+_IMPORTS_SET: dict[str, str] = {}  # and what they set in it
+WAIT_S = 120  # how long a script waits for the server to take it (it may still be importing) before running cold
+
+
+def _send(sock: socket.socket, obj: Any, fds: list[int] | None = None) -> None:
+    body = json.dumps(obj).encode()
+    head = struct.pack("!I", len(body))
+    if fds:
+        socket.send_fds(sock, [head], fds)
+        sock.sendall(body)
+    else:
+        sock.sendall(head + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("the peer closed the connection")
+        buf += chunk
+    return buf
+
+
+def _recv(sock: socket.socket, max_fds: int = 0) -> tuple[Any, list[int]]:
+    fds: list[int] = []
+    try:
+        if max_fds:
+            head, got, _, _ = socket.recv_fds(sock, 4, max_fds)
+            fds = list(got)
+            if not head:
+                raise EOFError("the peer closed the connection")
+            head += _recv_exact(sock, 4 - len(head))
+        else:
+            head = _recv_exact(sock, 4)
+        (n,) = struct.unpack("!I", head)
+        return json.loads(_recv_exact(sock, n)), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _interpreter() -> dict[str, Any]:
+    """What makes two processes of this interpreter the same before any import: the binary, its flags (`-O`, `-B`,
+    `-I`, ... and the PYTHON* variables behind them), warning options and `-X` options."""
+    return {"executable": os.path.realpath(sys.executable), "flags": list(sys.flags),
+            "warnoptions": list(sys.warnoptions), "xoptions": {k: str(v) for k, v in sys._xoptions.items()}}
+
+
+def _env_differs(theirs: dict[str, str], ours: dict[str, str]) -> list[str]:
+    def kept(env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items()
+                if k != ENV and k not in VOLATILE and not k.startswith(VOLATILE_PREFIXES)}
+    a, b = kept(theirs), kept(ours)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+# ---------------------------------------------------------------------------------------------- the script's side
+
+def hand_over(scripts: str | Path) -> None:
+    """Under a fork server (SPECDISTILL_FORKSERVER), when the running script is one in the folder `scripts`, have a
+    warm child run it and exit with its status; without a server, or when it says the child would not be the same
+    process, return and run cold. Imported by anything else (a test), it does nothing."""
+    path = os.environ.get(ENV)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not main_file or not sys.argv or not sys.argv[0]:
+        return
+    script = os.path.abspath(sys.argv[0])
+    if os.path.dirname(script) != os.path.abspath(scripts) or os.path.abspath(main_file) != script:
+        return
+    options = sys.orig_argv[1:len(sys.orig_argv) - len(sys.argv)]  # between the interpreter and the script
+    if options:
+        print(f"{MODULE}: running cold: interpreter options {options}", file=sys.stderr)
+        return
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(WAIT_S)
+        sock.connect(path)
+        umask = os.umask(0)
+        os.umask(umask)
+        _send(sock, {"argv": sys.argv, "script": script, "cwd": os.getcwd(),
+                     "env": dict(os.environ), "umask": umask, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                     "interpreter": _interpreter()}, [0, 1, 2])
+        reply, _ = _recv(sock)
+    except (OSError, EOFError, ValueError) as e:  # no server (a stale variable), or it did not answer in time
+        print(f"{MODULE}: running cold: the server at {path} did not take the script ({e})", file=sys.stderr)
+        sock.close()
+        return
+    if "cold" in reply:
+        print(f"{MODULE}: running cold: {reply['cold']}", file=sys.stderr)
+        sock.close()
+        return
+    child = reply["pid"]
+
+    def forward(signum: int, _frame: Any) -> None:
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
+    sock.settimeout(None)
+    try:
+        status = _recv(sock)[0]["status"]
+    except (OSError, EOFError, ValueError):
+        print(f"{MODULE}: the server went away before child {child} ended: its exit status is lost",
+              file=sys.stderr)
+        os._exit(1)
+    if status < 0:  # killed by a signal: die of the same one, as the cold process would have
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+        status = 128 - status
+    os._exit(status)
+
+
+# ---------------------------------------------------------------------------------------------- the server's side
+
+def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
+    """Import `preload`, then fork a child for every script that connects to the socket at `path`, until SIGTERM or
+    until the process that started the server is gone."""
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)  # scripts that come while the imports run wait here
+    t0 = time.perf_counter()
+    before = dict(os.environ)
+    for name in preload:
+        importlib.import_module(name)
+    # what the imports put in the environment (torch sets TORCHINDUCTOR_CACHE_DIR, ...): a cold process has it too
+    global _IMPORTS_SET, _ENV_BEFORE
+    _IMPORTS_SET = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    _ENV_BEFORE = before
+    print(f"{MODULE}: {len(preload)} libraries imported in {time.perf_counter() - t0:.1f} s; stage scripts fork "
+          "from here", file=sys.stderr, flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    children: dict[int, socket.socket] = {}
+    while not stop and os.getppid() == parent:
+        try:
+            ready, _, _ = select.select([listener], [], [], 0.2)
+        except InterruptedError:
+            ready = []
+        if ready:
+            conn, _ = listener.accept()
+            pid = _take(conn, listener, children)
+            if pid:
+                children[pid] = conn
+            else:
+                conn.close()
+        _reap(children)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while children and time.monotonic() < deadline:
+        _reap(children)
+        time.sleep(0.1)
+    listener.close()
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    """Send each ended child's exit status (negative: the signal that killed it) to its script."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        try:
+            _send(conn, {"status": code})
+        except OSError:
+            pass  # its script is gone
+        conn.close()
+
+
+def _take(conn: socket.socket, listener: socket.socket, children: dict[int, socket.socket]) -> int | None:
+    """Read a script's request; fork its child, or say why it runs cold. The child's pid, or None."""
+    try:
+        conn.settimeout(10)
+        request, fds = _recv(conn, max_fds=3)
+        conn.settimeout(None)
+    except (OSError, EOFError, ValueError):
+        return None
+    why = _why_cold(request, fds)
+    # a script that gave up waiting runs cold already: never run it twice
+    gone = select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK)
+    if why or gone:
+        for fd in fds:
+            os.close(fd)
+        if why and not gone:
+            with contextlib.suppress(OSError):
+                _send(conn, {"cold": why})
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        try:
+            _send(conn, {"pid": pid})
+        except OSError:
+            os.kill(pid, signal.SIGTERM)  # the script is already gone
+        return pid
+    listener.close()
+    for other in children.values():
+        other.close()
+    _become(request, fds, conn)  # never returns
+    return None
+
+
+def _why_cold(request: dict[str, Any], fds: list[int]) -> str | None:
+    if len(fds) != 3:
+        return f"the script sent {len(fds)} of its 3 standard files"
+    ours = _interpreter()
+    for key, theirs in request["interpreter"].items():
+        if theirs != ours.get(key):
+            return f"the server's interpreter differs in {key} ({ours.get(key)} here, {theirs} in the script)"
+    differ = _env_differs(request["env"], _ENV_BEFORE)
+    if differ:
+        return (f"the environment differs from the server's in {', '.join(differ[:8])}"
+                f"{' ...' if len(differ) > 8 else ''}: an import may have read it")
+    if request["nice"] < os.getpriority(os.PRIO_PROCESS, 0):
+        return "the script runs at a lower niceness than the server"
+    return None
+
+
+def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
+    """In the forked child: turn into the script's process and run it; exit as the interpreter would."""
+    import io
+    import random
+    import runpy
+    import threading
+    import traceback
+
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    env = {**request["env"], **_IMPORTS_SET}
+    env.pop(ENV, None)  # what this child starts runs cold: a nested script must not queue behind it
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    if request["nice"] > os.getpriority(os.PRIO_PROCESS, 0):
+        os.setpriority(os.PRIO_PROCESS, 0, request["nice"])
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    encoding = sys.stdout.encoding or "utf-8"
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False), encoding=encoding)  # noqa: SIM115
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", 0 if unbuffered else -1, closefd=False),  # noqa: SIM115
+                                                   encoding=encoding, line_buffering=os.isatty(1),
+                                                   write_through=unbuffered)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", 0, closefd=False), encoding=encoding,  # noqa: SIM115
+                                                   errors="backslashreplace", line_buffering=True, write_through=True)
+    random.seed()  # a fresh process seeds these from the OS, not from the server's state
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(request["script"])
+    package = MODULE.split(".")[0]  # the server's own import of this project: the script imports its checkout's
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        del sys.modules[name]
+
+    def watch() -> None:  # the script's process died (killed): end this one too
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="forkserver-watch", daemon=True).start()
+    code = 0
+    try:
+        runpy.run_path(request["script"], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _finish()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _finish()
+    os._exit(code & 0xFF)
+
+
+def _finish() -> None:
+    """What the interpreter does on its way out: wait for non-daemon threads, run atexit, flush."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ---------------------------------------------------------------------------------------------- the wrapper
+
+def run(command: list[str], preload: tuple[str, ...] = PRELOAD) -> int:
+    """Run `command` with a fork server beside it; its exit status."""
+    folder = tempfile.mkdtemp(prefix="specdistill-forkserver-")
+    path = os.path.join(folder, "socket")
+    server = subprocess.Popen([sys.executable, "-c", f"from {MODULE} import serve; serve({path!r}, {preload!r})"],
+                              process_group=0, env={k: v for k, v in os.environ.items() if k != ENV})
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        env = {**os.environ, ENV: path} if os.path.exists(path) else dict(os.environ)
+        if ENV not in env:
+            print(f"{MODULE}: the server did not start: running {command[0]} without it", file=sys.stderr)
+        proc = subprocess.Popen(command, env=env)
+        for signum in (signal.SIGTERM, signal.SIGHUP):  # passed on: the command ends its own way, then the server
+            signal.signal(signum, lambda signum, _frame: proc.send_signal(signum))
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # a terminal's Ctrl-C reached the command too: let it finish its own way
+                continue
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
+        epilog="e.g. python -m specdistill.forkserver -- dvc repro; a stage run outside it (or with "
+               f"{ENV} unset) starts cold, as before")
+    ap.add_argument("--preload", nargs="*", default=None, metavar="MODULE",
+                    help=f"the modules the server imports (default: {' '.join(PRELOAD)})")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="the command to run beside the server, after --")
+    args = ap.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        ap.error("name the command to run, e.g. -- dvc repro")
+    sys.exit(run(command, tuple(args.preload) if args.preload is not None else PRELOAD))
+
+
+if __name__ == "__main__":
+    main()
