@@ -27,15 +27,18 @@ from specdistill.forkserver import hand_over
 hand_over(os.path.dirname(os.path.abspath(__file__)))
 import specdistill
 mode = "warm" if {PROBE!r} in sys.modules else "cold"
+line = sys.stdin.readline().strip()
 print(mode, __name__, os.getpid(), " ".join(sys.argv[1:]), os.getcwd(), os.environ.get("PROBE_VAR"),
-      getattr(specdistill, "MARK", "-"), sys.stdin.readline().strip(), sep="|")
+      getattr(specdistill, "MARK", "-"), sys.argv[0], __file__, os.getpgrp(), sys.stdout.encoding, sys.stdout.errors,
+      sys.stdin.errors, line, sep="|")
 print("to stderr", file=sys.stderr)
 what = sys.argv[1] if len(sys.argv) > 1 else ""
 if what == "raise":
     raise RuntimeError("boom")
-if what == "sleep":
-    open(sys.argv[2], "w").write(str(os.getpid()))
-    import time
+if what == "sleep":  # its own pid and a subprocess's (as a stage starts the engine), then wait
+    import subprocess, time
+    sub = subprocess.Popen(["sleep", "60"])
+    open(sys.argv[2], "w").write(f"{{os.getpid()}} {{sub.pid}}")
     time.sleep(60)
 sys.exit(int(what) if what.isdigit() else 0)
 '''
@@ -64,9 +67,10 @@ def server(tmp_path: Path):
     proc.wait(15)
 
 
-def _run(scripts: Path, env: dict[str, str], *args: str, stdin: str = "a line\n", cwd: Path | None = None):
-    return subprocess.run([sys.executable, str(scripts / "probe.py"), *args], env=env, input=stdin, text=True,
-                          capture_output=True, cwd=cwd or scripts.parent, timeout=60)
+def _run(scripts: Path, env: dict[str, str], *args: str, python: str = sys.executable):
+    """The probe as DVC runs a stage: `python pipelines/probe.py ...` from the checkout's root."""
+    return subprocess.run([python, "pipelines/probe.py", *args], env=env, input="a line\n", text=True,
+                          capture_output=True, cwd=scripts.parent, timeout=60)
 
 
 def _fields(out: str) -> list[str]:
@@ -79,10 +83,13 @@ def test_a_script_runs_warm_as_it_would_cold(scripts: Path, server) -> None:
     warm = _run(scripts, env, "3", "two words")
     assert warm.returncode == cold.returncode == 3
     assert _fields(cold.stdout)[0] == "cold" and _fields(warm.stdout)[0] == "warm"
-    # name, arguments, folder, environment, stdin: the same; the pid is the child's
-    assert _fields(warm.stdout)[1] == "__main__"
-    assert _fields(warm.stdout)[3:] == _fields(cold.stdout)[3:] == ["3 two words", str(scripts.parent), "x", "-",
-                                                                    "a line"]
+    # name, arguments (argv[0] as given), folder, environment, __file__ (absolute), process group, the streams'
+    # encoding and error handlers, stdin: the same; the pid is the child's
+    assert _fields(warm.stdout)[1] == "__main__" and _fields(warm.stdout)[2] != str(os.getpid())
+    assert _fields(warm.stdout)[3:] == _fields(cold.stdout)[3:]
+    assert _fields(cold.stdout)[3:9] == ["3 two words", str(scripts.parent), "x", "-", "pipelines/probe.py",
+                                         str(scripts / "probe.py")]
+    assert _fields(cold.stdout)[-1] == "a line"
     assert "to stderr" in warm.stderr and "running cold" not in warm.stderr
 
 
@@ -96,6 +103,10 @@ def test_a_different_environment_or_no_server_runs_cold_and_says_why(scripts: Pa
     out = _run(scripts, {**server[1], "PROBE_VAR": "only here"})
     assert out.returncode == 0 and _fields(out.stdout)[0] == "cold"
     assert "running cold: the environment differs from the server's in PROBE_VAR" in out.stderr
+    # another virtualenv over the same Python binary: other site-packages, so cold
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    other = _run(scripts, server[1], python=str(tmp_path / "venv" / "bin" / "python"))
+    assert _fields(other.stdout)[0] == "cold" and "interpreter differs in prefix" in other.stderr
     gone = _run(scripts, {**server[1], forkserver.ENV: str(tmp_path / "no.sock")})
     assert gone.returncode == 0 and _fields(gone.stdout)[0] == "cold" and "did not take the script" in gone.stderr
     # DVC's own per-command variables change nothing an import read: still warm
@@ -114,11 +125,19 @@ def test_the_child_imports_the_checkouts_code_not_the_servers(scripts: Path, ser
     assert _fields(out.stdout)[0] == "warm" and _fields(out.stdout)[6] == "the other checkout"
 
 
-def _pid_from(path: Path) -> int:
+def _pids_from(path: Path) -> list[int]:
+    """The sleeping probe's pid and its subprocess's."""
     deadline = time.monotonic() + 30
     while not (path.exists() and path.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return int(path.read_text())
+    return [int(p) for p in path.read_text().split()]
+
+
+def _sleeping(scripts: Path, env: dict[str, str], pid_file: Path, **kw) -> tuple[subprocess.Popen, int, int]:
+    proc = subprocess.Popen([sys.executable, str(scripts / "probe.py"), "sleep", str(pid_file)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    child, sub = _pids_from(pid_file)
+    return proc, child, sub
 
 
 def _gone(pid: int, within: float = 10) -> bool:
@@ -135,14 +154,36 @@ def _gone(pid: int, within: float = 10) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_signal_to_the_script_ends_its_child(scripts: Path, server, tmp_path: Path, sig: int) -> None:
     """SIGTERM is forwarded (and the script dies of it); after SIGKILL, which cannot be, the child ends itself."""
-    pid_file = tmp_path / "child.pid"
-    proc = subprocess.Popen([sys.executable, str(scripts / "probe.py"), "sleep", str(pid_file)], env=server[1],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    child = _pid_from(pid_file)
+    proc, child, sub = _sleeping(scripts, server[1], tmp_path / "child.pid")
     assert child != proc.pid
     proc.send_signal(sig)
     assert proc.wait(30) == -sig
     assert _gone(child)
+    os.kill(sub, signal.SIGKILL)  # a subprocess outlives a killed process, warm or cold
+
+
+def test_the_child_is_in_the_scripts_process_group(scripts: Path, server, tmp_path: Path) -> None:
+    """What a terminal or a killer sends the group (Ctrl-C, Ctrl-Z, killpg) reaches the child and what it started,
+    as it would reach a cold process: here a SIGINT to the group ends the probe and the `sleep` it started."""
+    proc, child, sub = _sleeping(scripts, server[1], tmp_path / "child.pid", process_group=0)  # as DVC's group
+    assert os.getpgid(child) == os.getpgid(sub) == proc.pid
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(30) == -signal.SIGINT
+    assert _gone(child) and _gone(sub)
+
+
+def test_signals_the_script_ignored_stay_ignored_and_a_killed_child_kills_the_script(scripts: Path, server,
+                                                                                   tmp_path: Path) -> None:
+    """Under nohup (SIGHUP ignored) a hang-up leaves the child running, as it would a cold process; a child killed
+    by SIGKILL (the OOM killer) ends its script with the same signal, not an error of the server's."""
+    proc, child, sub = _sleeping(scripts, server[1], tmp_path / "child.pid", process_group=0,
+                                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    os.killpg(proc.pid, signal.SIGHUP)  # as a terminal's hang-up reaches its foreground group
+    assert not _gone(child, within=1) and proc.poll() is None
+    os.kill(child, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    os.kill(sub, signal.SIGKILL)  # it holds the pipe open
+    assert b"Traceback" not in proc.stderr.read()
 
 
 def test_the_wrapper_runs_the_command_beside_a_server_and_cleans_up(scripts: Path, tmp_path: Path) -> None:
@@ -155,6 +196,21 @@ def test_the_wrapper_runs_the_command_beside_a_server_and_cleans_up(scripts: Pat
     assert _fields(out.stdout)[0] == "warm" and _fields(out.stdout)[-1] == "in"
     assert "1 libraries imported" in out.stderr
     assert not Path(out.stdout.splitlines()[0]).parent.exists()  # the socket's folder is removed
+
+
+def test_a_killed_wrapper_takes_its_server_and_socket_with_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != forkserver.ENV}
+    wrapper = subprocess.Popen([sys.executable, "-m", "specdistill.forkserver", "--preload", PROBE, "--", "sh", "-c",
+                                'echo "$SPECDISTILL_FORKSERVER"; exec sleep 30'], env=env, stdout=subprocess.PIPE,
+                               text=True)
+    socket_path = Path(wrapper.stdout.readline().strip())
+    assert socket_path.exists()
+    wrapper.kill()
+    wrapper.wait()
+    deadline = time.monotonic() + 10
+    while socket_path.parent.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not socket_path.parent.exists()  # the server saw its parent go, and left nothing behind
 
 
 def test_a_stage_script_prints_the_same_warm_and_cold(server) -> None:

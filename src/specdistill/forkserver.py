@@ -10,14 +10,17 @@ its per-item caching; only the interpreter an item runs in comes warm.
 How: the wrapper starts the server (in its own process group, so a terminal's Ctrl-C reaches the command and not
 it), puts the server's socket in SPECDISTILL_FORKSERVER, runs the command and stops the server after it. A stage
 script's first import (`pipelines/_entry.py`) calls `hand_over()`, which sends the script's arguments, working
-folder, environment, umask and its stdin / stdout / stderr (SCM_RIGHTS) to the server. The server forks a child that
-becomes that process and runs the script as __main__; the script's own process forwards SIGINT / SIGTERM / SIGHUP to
-the child and exits with its status, and the child ends itself if that process dies.
+folder, environment, umask, niceness, CPU affinity, ignored signals and its stdin / stdout / stderr (SCM_RIGHTS) to
+the server. The server forks a child, which joins the script's process group (what a terminal or `kill` sends the
+group reaches it and what it starts, as it would a cold process), becomes that process and, once the script says go,
+runs it as __main__. The script's own process passes on the signals sent to it alone and exits with the child's
+status (dying of the same signal where the child did); the child dies with it if it is killed.
 
 What keeps it the same run as a cold start: only third-party libraries are preloaded, never this project's code, so
-an edit between two items is seen; the child reseeds `random` and numpy as a fresh process would be seeded; and where
-the server cannot give the same process (another interpreter, interpreter options, an environment that differs
-beyond what a shell and DVC set per command, a lower niceness), the script runs cold and says why.
+an edit between two items is seen; the child reseeds `random`, numpy and torch as a fresh process is seeded, and
+gets the streams' encodings and error handlers a cold start has; and where the server cannot give the same process
+(another interpreter or virtualenv, interpreter options, an environment that differs beyond what a shell and DVC
+set per command, a lower niceness), the script runs cold and says why. tests/test_forkserver.py holds it to that.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -50,6 +54,8 @@ VOLATILE = {"PWD", "OLDPWD", "SHLVL", "_"}
 VOLATILE_PREFIXES = ("DVC_",)
 _ENV_BEFORE: dict[str, str] = {}  # the server's environment before its imports
 _IMPORTS_SET: dict[str, str] = {}  # and what they set in it
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what a script passes on to its child
+PREFIX = "specdistill-forkserver-"  # the wrapper's folder for the socket
 WAIT_S = 120  # how long a script waits for the server to take it (it may still be importing) before running cold
 
 
@@ -93,10 +99,12 @@ def _recv(sock: socket.socket, max_fds: int = 0) -> tuple[Any, list[int]]:
 
 
 def _interpreter() -> dict[str, Any]:
-    """What makes two processes of this interpreter the same before any import: the binary, its flags (`-O`, `-B`,
-    `-I`, ... and the PYTHON* variables behind them), warning options and `-X` options."""
-    return {"executable": os.path.realpath(sys.executable), "flags": list(sys.flags),
-            "warnoptions": list(sys.warnoptions), "xoptions": {k: str(v) for k, v in sys._xoptions.items()}}
+    """What makes two processes of this interpreter the same before any import: the binary and the environment it
+    runs in (two virtualenvs share a binary), its flags (`-O`, `-B`, `-I`, ... and the PYTHON* variables behind
+    them), warning options and `-X` options."""
+    return {"executable": os.path.realpath(sys.executable), "prefix": sys.prefix, "exec_prefix": sys.exec_prefix,
+            "base_prefix": sys.base_prefix, "flags": list(sys.flags), "warnoptions": list(sys.warnoptions),
+            "xoptions": {k: str(v) for k, v in sys._xoptions.items()}}
 
 
 def _env_differs(theirs: dict[str, str], ours: dict[str, str]) -> list[str]:
@@ -124,14 +132,17 @@ def hand_over(scripts: str | Path) -> None:
     if options:
         print(f"{MODULE}: running cold: interpreter options {options}", file=sys.stderr)
         return
+    # signals this process came with ignored (nohup, `&` in a script) stay ignored in the child, as they would cold
+    ignored = [int(s) for s in SIGNALS if signal.getsignal(s) is signal.SIG_IGN]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(WAIT_S)
         sock.connect(path)
         umask = os.umask(0)
         os.umask(umask)
-        _send(sock, {"argv": sys.argv, "script": script, "cwd": os.getcwd(),
-                     "env": dict(os.environ), "umask": umask, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        _send(sock, {"argv": sys.argv, "script": script, "cwd": os.getcwd(), "env": dict(os.environ),
+                     "umask": umask, "nice": os.getpriority(os.PRIO_PROCESS, 0), "pgid": os.getpgrp(),
+                     "affinity": sorted(os.sched_getaffinity(0)), "ignored": ignored,
                      "interpreter": _interpreter()}, [0, 1, 2])
         reply, _ = _recv(sock)
     except (OSError, EOFError, ValueError) as e:  # no server (a stale variable), or it did not answer in time
@@ -143,27 +154,46 @@ def hand_over(scripts: str | Path) -> None:
         sock.close()
         return
     child = reply["pid"]
+    # the child is in this process's group (`grouped`), so what a terminal sends the foreground group (Ctrl-C, a
+    # hang-up, Ctrl-Z) and a kill of the group reach it already: pass on only what was sent to this process alone
+    from_terminal = (signal.SIGINT, signal.SIGHUP) if reply.get("grouped") and _in_foreground() else ()
 
     def forward(signum: int, _frame: Any) -> None:
-        try:
-            os.kill(child, signum)
-        except ProcessLookupError:
-            pass
+        if signum not in from_terminal:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, forward)
+    for signum in SIGNALS:
+        if int(signum) not in ignored:
+            signal.signal(signum, forward)
     sock.settimeout(None)
     try:
+        sock.sendall(b"g")  # the child runs only now: had this process given up waiting, it would never run
         status = _recv(sock)[0]["status"]
     except (OSError, EOFError, ValueError):
         print(f"{MODULE}: the server went away before child {child} ended: its exit status is lost",
               file=sys.stderr)
         os._exit(1)
     if status < 0:  # killed by a signal: die of the same one, as the cold process would have
-        signal.signal(-status, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set, and needs no setting
+            signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
         status = 128 - status
     os._exit(status)
+
+
+def _in_foreground() -> bool:
+    """Whether this process's group is its terminal's foreground group (a Ctrl-C there reaches the whole group)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------- the server's side
@@ -202,16 +232,19 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
             else:
                 conn.close()
         _reap(children)
-    for pid in children:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while children and time.monotonic() < deadline:
-        _reap(children)
-        time.sleep(0.1)
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # children left when the command ended: none outlive the server
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + 10
+        while children and time.monotonic() < deadline:
+            _reap(children)
+            time.sleep(0.1)
     listener.close()
+    with contextlib.suppress(OSError):  # the wrapper removes these too, unless it was killed
+        os.unlink(path)
+        if os.path.basename(os.path.dirname(path)).startswith(PREFIX):
+            os.rmdir(os.path.dirname(path))
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
@@ -242,31 +275,38 @@ def _take(conn: socket.socket, listener: socket.socket, children: dict[int, sock
         conn.settimeout(None)
     except (OSError, EOFError, ValueError):
         return None
-    why = _why_cold(request, fds)
-    # a script that gave up waiting runs cold already: never run it twice
-    gone = select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK)
-    if why or gone:
-        for fd in fds:
-            os.close(fd)
-        if why and not gone:
-            with contextlib.suppress(OSError):
-                _send(conn, {"cold": why})
-        return None
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        for fd in fds:
-            os.close(fd)
+    try:
+        why = _why_cold(request, fds)
+    except Exception as e:  # noqa: BLE001 (a request this server cannot read: another checkout's, say)
+        why = f"the server could not read the request ({e!r})"
+    pid = None
+    if not why:
+        sys.stdout.flush()
+        sys.stderr.flush()
         try:
-            _send(conn, {"pid": pid})
-        except OSError:
-            os.kill(pid, signal.SIGTERM)  # the script is already gone
-        return pid
-    listener.close()
-    for other in children.values():
-        other.close()
-    _become(request, fds, conn)  # never returns
+            pid = os.fork()
+        except OSError as e:
+            why = f"the server could not fork ({e})"
+    if pid == 0:
+        listener.close()
+        for other in children.values():
+            other.close()
+        _become(request, fds, conn)  # never returns
+    for fd in fds:
+        os.close(fd)
+    if why:
+        with contextlib.suppress(OSError):
+            _send(conn, {"cold": why})
+        return None
+    grouped = False
+    with contextlib.suppress(OSError):  # the child joins the script's process group; set from both sides, no race
+        os.setpgid(pid, request["pgid"])
+        grouped = os.getpgid(pid) == request["pgid"]
+    try:
+        _send(conn, {"pid": pid, "grouped": grouped})
+    except OSError:
+        os.kill(pid, signal.SIGKILL)  # the script is gone; the child waits for its go and never ran
+    return pid
     return None
 
 
@@ -288,15 +328,22 @@ def _why_cold(request: dict[str, Any], fds: list[int]) -> str | None:
 
 def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
     """In the forked child: turn into the script's process and run it; exit as the interpreter would."""
-    import io
     import random
-    import runpy
     import threading
     import traceback
 
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, request["pgid"])
+    try:
+        go = conn.recv(1)  # the script's go: without it (it gave up waiting and runs cold) this never runs
+    except OSError:
+        go = b""
+    if not go:
+        os._exit(0)
+    for signum in SIGNALS:  # as a cold start has them: ignored where the script's were, else Python's defaults
+        default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        signal.signal(signum, signal.SIG_IGN if int(signum) in request["ignored"] else default)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -308,35 +355,32 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
     os.umask(request["umask"])
     if request["nice"] > os.getpriority(os.PRIO_PROCESS, 0):
         os.setpriority(os.PRIO_PROCESS, 0, request["nice"])
-    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-    encoding = sys.stdout.encoding or "utf-8"
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False), encoding=encoding)  # noqa: SIM115
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", 0 if unbuffered else -1, closefd=False),  # noqa: SIM115
-                                                   encoding=encoding, line_buffering=os.isatty(1),
-                                                   write_through=unbuffered)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", 0, closefd=False), encoding=encoding,  # noqa: SIM115
-                                                   errors="backslashreplace", line_buffering=True, write_through=True)
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, request["affinity"])
+    _standard_streams(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
     random.seed()  # a fresh process seeds these from the OS, not from the server's state
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(request["script"])
     package = MODULE.split(".")[0]  # the server's own import of this project: the script imports its checkout's
     for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
         del sys.modules[name]
 
-    def watch() -> None:  # the script's process died (killed): end this one too
+    def watch() -> None:  # the script's process vanished without passing a signal on (SIGKILL): as cold, die now
         try:
             while conn.recv(64):
                 pass
         except OSError:
             pass
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="forkserver-watch", daemon=True).start()
     code = 0
     try:
-        runpy.run_path(request["script"], run_name="__main__")
+        _run_main(request["script"])
     except SystemExit as e:
         if e.code is None:
             code = 0
@@ -355,6 +399,38 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
         code = 1
     _finish()
     os._exit(code & 0xFF)
+
+
+def _standard_streams(unbuffered: bool) -> None:
+    """sys.stdin / stdout / stderr over the script's files (now fds 0-2), with the encoding, error handler and
+    buffering a cold start gives them (line-buffered stdout on a terminal, `-u` / PYTHONUNBUFFERED)."""
+    import io
+
+    def stream(fd: int, like: Any, write: bool, **kw: Any) -> io.TextIOWrapper:
+        raw = open(fd, "wb" if write else "rb", 0 if (write and unbuffered) else -1, closefd=False)  # noqa: SIM115
+        return io.TextIOWrapper(raw, encoding=getattr(like, "encoding", None) or "utf-8",
+                                errors=getattr(like, "errors", None) or "strict", **kw)
+
+    sys.stdin = sys.__stdin__ = stream(0, sys.__stdin__, False)
+    sys.stdout = sys.__stdout__ = stream(1, sys.__stdout__, True, line_buffering=os.isatty(1),
+                                         write_through=unbuffered)
+    sys.stderr = sys.__stderr__ = stream(2, sys.__stderr__, True, line_buffering=True, write_through=unbuffered)
+
+
+def _run_main(path: str) -> None:
+    """Run the script as `python path` does: a fresh __main__ module with an absolute __file__, sys.argv as the
+    script was given it (runpy would make argv[0] absolute)."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__file__, main.__cached__, main.__builtins__ = path, None, builtins
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    sys.modules["__main__"] = main
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)  # noqa: S102
 
 
 def _finish() -> None:
@@ -378,7 +454,7 @@ def _finish() -> None:
 
 def run(command: list[str], preload: tuple[str, ...] = PRELOAD) -> int:
     """Run `command` with a fork server beside it; its exit status."""
-    folder = tempfile.mkdtemp(prefix="specdistill-forkserver-")
+    folder = tempfile.mkdtemp(prefix=PREFIX)
     path = os.path.join(folder, "socket")
     server = subprocess.Popen([sys.executable, "-c", f"from {MODULE} import serve; serve({path!r}, {preload!r})"],
                               process_group=0, env={k: v for k, v in os.environ.items() if k != ENV})
@@ -394,7 +470,8 @@ def run(command: list[str], preload: tuple[str, ...] = PRELOAD) -> int:
             signal.signal(signum, lambda signum, _frame: proc.send_signal(signum))
         while True:
             try:
-                return proc.wait()
+                code = proc.wait()
+                return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
             except KeyboardInterrupt:  # a terminal's Ctrl-C reached the command too: let it finish its own way
                 continue
     finally:
@@ -403,9 +480,7 @@ def run(command: list[str], preload: tuple[str, ...] = PRELOAD) -> int:
             server.wait(15)
         except subprocess.TimeoutExpired:
             server.kill()
-        for name in os.listdir(folder):
-            os.unlink(os.path.join(folder, name))
-        os.rmdir(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
