@@ -14,6 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
 
+# decides which process runs a stage (a warm fork or a cold start), not what the stage computes: a change to it reruns
+# nothing (tests/test_forkserver.py holds the fork to the cold start's arguments, environment, files and status)
+PROCESS_ONLY = {"src/specdistill/forkserver.py"}
+
+
 def _module_file(name: str) -> Path | None:
     base = SRC.joinpath(*name.split("."))
     if (base / "__init__.py").exists():
@@ -54,7 +59,8 @@ def _closure(script: Path) -> set[Path]:
                 file = _module_file(".".join(parts[:i]))
                 if file is not None and file not in seen:
                     seen.add(file)
-                    todo.append(file)
+                    if file.relative_to(ROOT).as_posix() not in PROCESS_ONLY:  # what it imports runs no stage's work
+                        todo.append(file)
     return seen
 
 
@@ -70,9 +76,6 @@ def _stages() -> list[tuple[str, Path, list[str]]]:
 
 
 STAGES = _stages()
-# decides which process runs a stage (a warm fork or a cold start), not what the stage computes: a change to it reruns
-# nothing (tests/test_forkserver.py holds the fork to the cold start's arguments, environment, files and status)
-PROCESS_ONLY = {"src/specdistill/forkserver.py"}
 
 
 @pytest.mark.parametrize(("stage", "script", "deps"), STAGES, ids=[s[0] for s in STAGES])

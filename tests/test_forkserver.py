@@ -21,7 +21,7 @@ SRC = ROOT / "src"
 PROBE = "colorsys"  # preloaded by these tests' servers, imported by nothing else: its presence says "warm"
 
 SCRIPT = f'''
-import os, sys
+import os, sys, time
 sys.path.insert(0, {str(SRC)!r})
 from specdistill.forkserver import hand_over
 hand_over(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +33,10 @@ print(mode, __name__, os.getpid(), " ".join(sys.argv[1:]), os.getcwd(), os.envir
       sys.stdin.errors, line, sep="|")
 print("to stderr", file=sys.stderr)
 what = sys.argv[1] if len(sys.argv) > 1 else ""
+if what == "burn":  # CPU seconds its parent's RUSAGE_CHILDREN would count, were it the parent's child
+    t = time.process_time()
+    while time.process_time() - t < 0.5:
+        pass
 if what == "raise":
     raise RuntimeError("boom")
 if what == "sleep":  # its own pid and a subprocess's (as a stage starts the engine), then wait
@@ -188,7 +192,7 @@ def test_signals_the_script_ignored_stay_ignored_and_a_killed_child_kills_the_sc
 
 def test_the_wrapper_runs_the_command_beside_a_server_and_cleans_up(scripts: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != forkserver.ENV}
-    cmd = [sys.executable, "-m", "specdistill.forkserver", "--preload", PROBE, "--",
+    cmd = [sys.executable, "-m", "specdistill.forkserver", "--no-engine", "--preload", PROBE, "--",
            "sh", "-c", f'echo "$SPECDISTILL_FORKSERVER"; exec {sys.executable} {scripts / "probe.py"} 5']
     out = subprocess.run(cmd, env=env, input="in\n", text=True, capture_output=True, timeout=120,
                          cwd=tmp_path)
@@ -200,7 +204,8 @@ def test_the_wrapper_runs_the_command_beside_a_server_and_cleans_up(scripts: Pat
 
 def test_a_killed_wrapper_takes_its_server_and_socket_with_it(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != forkserver.ENV}
-    wrapper = subprocess.Popen([sys.executable, "-m", "specdistill.forkserver", "--preload", PROBE, "--", "sh", "-c",
+    wrapper = subprocess.Popen([sys.executable, "-m", "specdistill.forkserver", "--no-engine", "--preload", PROBE,
+                                "--", "sh", "-c",
                                 'echo "$SPECDISTILL_FORKSERVER"; exec sleep 30'], env=env, stdout=subprocess.PIPE,
                                text=True)
     socket_path = Path(wrapper.stdout.readline().strip())
@@ -227,3 +232,28 @@ def test_the_wrapper_needs_a_command() -> None:
     with pytest.raises(SystemExit) as e:
         forkserver.main([])
     assert e.value.code == 2
+
+
+def test_a_forked_childs_cpu_is_reported_to_the_script_and_credited(scripts: Path, server, tmp_path: Path) -> None:
+    """The child is the server's, so the script's parent (the serve stage, for the engine's worker) would not see
+    its CPU in RUSAGE_CHILDREN: the script writes it where CPU_ENV says, and `credit_file` adds it to ours."""
+    cpu_file = tmp_path / "cpu"
+    out = _run(scripts, {**server[1], forkserver.CPU_ENV: str(cpu_file)}, "burn")
+    assert out.returncode == 0 and _fields(out.stdout)[0] == "warm"
+    reported = float(cpu_file.read_text())
+    assert 0.45 <= reported < 5
+    before = forkserver.credited_cpu_seconds()
+    assert forkserver.credit_file(cpu_file) == reported
+    assert forkserver.credited_cpu_seconds() == before + reported
+    assert forkserver.credit_file(tmp_path / "none") == 0.0  # a cold worker writes nothing
+
+
+def test_a_key_the_servers_imports_set_may_come_set_to_the_same_value() -> None:
+    """The serve stage has imported torch (which sets TORCHINDUCTOR_CACHE_DIR) before it starts the engine's worker;
+    the engine's server imported torch after its environment was taken. The same value is the same start; another
+    value, or any other key, is not."""
+    before, done = {"A": "1"}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}
+    assert forkserver._env_differs({"A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}, before, done) == []
+    assert forkserver._env_differs({"A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/y"}, before, done) == [
+        "TORCHINDUCTOR_CACHE_DIR"]
+    assert forkserver._env_differs({"A": "2", "DVC_STAGE": "s", forkserver.CPU_ENV: "f"}, before, done) == ["A"]

@@ -9,6 +9,7 @@ its stage (online requests against prepared prompts, once found after ~56 minute
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,14 @@ def test_smoke_runs_every_stage(smoke_checkout):
     code, out, minutes = timed_repro(proj, repro_env(), timeout=3600)
     print("\nsmoke: minutes per stage of `dvc repro`\n" + minutes_table(minutes))
     assert code == 0, (out[-6000:], minutes_table(minutes))
-    # as `make repro` runs it: every stage item forked from the warm server (specdistill.forkserver), none cold
-    assert "stage scripts fork from here" in out and "running cold" not in out, out[-6000:]
+    # as `make repro` runs it: every stage item, and every engine worker, forked from a warm server
+    # (specdistill.forkserver: one in .venv, one in .venv-engine), none cold
+    assert out.count("stage scripts fork from here") == 2 and "running cold" not in out, out[-6000:]
+    # the warm engine worker is the server's child, not serve's: its CPU still counts as serve's own (credited),
+    # else the engine's work reads as others' (78% when it did not)
+    for record in (proj / "metrics/smoke/records").glob("serve_*.json"):
+        share = json.loads(record.read_text())["settings"].get("others_cpu_share")
+        assert share is not None and share < 0.5, (record.name, share)
     stages = yaml.safe_load((proj / "dvc.lock").read_text())["stages"]
     wanted = yaml.safe_load((proj / "dvc.yaml").read_text())["stages"]
     expected = {f"{name}@{key}" if "foreach" in spec else name

@@ -8,7 +8,11 @@ imports (docs/findings.md, "What one stage item costs before its work"). DVC sti
 its per-item caching; only the interpreter an item runs in comes warm.
 
 How: the wrapper starts the server (in its own process group, so a terminal's Ctrl-C reaches the command and not
-it), puts the server's socket in SPECDISTILL_FORKSERVER, runs the command and stops the server after it. A stage
+it), puts the server's socket in SPECDISTILL_FORKSERVER, runs the command and stops the server after it. Where the
+engine's environment is made (`make engine`), a second server there imports vLLM (7 s a start) for the engine's
+worker (`engine/worker.py`, started by `engine/client.py` under the serve stage's settings; SPECDISTILL_FORKSERVER_
+ENGINE). That worker is the server's child, not the stage's, so its script reports its CPU seconds back
+(SPECDISTILL_FORKSERVER_CPU, `credit_file`) and the stage counts them as its own, as it counts a cold worker's. A stage
 script's first import (`pipelines/_entry.py`) calls `hand_over()`, which sends the script's arguments, working
 folder, environment, umask, niceness, CPU affinity, ignored signals and its stdin / stdout / stderr (SCM_RIGHTS) to
 the server. The server forks a child, which joins the script's process group (what a terminal or `kill` sends the
@@ -43,12 +47,19 @@ from pathlib import Path
 from typing import Any
 
 ENV = "SPECDISTILL_FORKSERVER"
+# the engine environment's own server (it imports vLLM): engine/client.py points its worker's ENV at it
+ENGINE_ENV = "SPECDISTILL_FORKSERVER_ENGINE"
+# a file a script appends its forked child's CPU seconds to: the child is the server's, not the script parent's, so
+# the parent's RUSAGE_CHILDREN misses it (the serve stage counts its engine worker's CPU as its own: `credit_file`)
+CPU_ENV = "SPECDISTILL_FORKSERVER_CPU"
+_CREDITED = [0.0]
 MODULE = "specdistill.forkserver"  # not __name__: under `python -m` that is __main__
 # the stages' heavy imports (`python -X importtime pipelines/<stage>.py ...`); importing one a stage does not use
 # costs the server's start once, not the stage
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.llama.modeling_llama", "lightning.pytorch",
            "torchmetrics", "hydra", "omegaconf", "datasets", "scipy.stats", "safetensors.torch", "wandb", "yaml",
            "tqdm")
+ENGINE_PRELOAD = ("torch", "vllm", "vllm.entrypoints.llm", "safetensors.torch")  # the worker's imports (7 s)
 # set by a shell or by DVC for each command (DVC_ROOT, DVC_STAGE): no import reads them
 VOLATILE = {"PWD", "OLDPWD", "SHLVL", "_"}
 VOLATILE_PREFIXES = ("DVC_",)
@@ -107,12 +118,15 @@ def _interpreter() -> dict[str, Any]:
             "xoptions": {k: str(v) for k, v in sys._xoptions.items()}}
 
 
-def _env_differs(theirs: dict[str, str], ours: dict[str, str]) -> list[str]:
+def _env_differs(theirs: dict[str, str], ours: dict[str, str], imports_set: dict[str, str] | None = None) -> list[str]:
+    """Keys whose values differ between a script's environment and the server's before its imports. A key the
+    imports set themselves (`imports_set`, torch's TORCHINDUCTOR_CACHE_DIR) may come already set to that value: the
+    script's parent imported the same library (the serve stage, torch, before it starts the engine's worker)."""
     def kept(env: dict[str, str]) -> dict[str, str]:
         return {k: v for k, v in env.items()
-                if k != ENV and k not in VOLATILE and not k.startswith(VOLATILE_PREFIXES)}
-    a, b = kept(theirs), kept(ours)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+                if k not in (ENV, ENGINE_ENV, CPU_ENV) and k not in VOLATILE and not k.startswith(VOLATILE_PREFIXES)}
+    a, b, done = kept(theirs), kept(ours), imports_set or {}
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not (k in done and a.get(k) == done[k]))
 
 
 # ---------------------------------------------------------------------------------------------- the script's side
@@ -169,17 +183,37 @@ def hand_over(scripts: str | Path) -> None:
     sock.settimeout(None)
     try:
         sock.sendall(b"g")  # the child runs only now: had this process given up waiting, it would never run
-        status = _recv(sock)[0]["status"]
+        ended = _recv(sock)[0]
+        status = ended["status"]
     except (OSError, EOFError, ValueError):
         print(f"{MODULE}: the server went away before child {child} ended: its exit status is lost",
               file=sys.stderr)
         os._exit(1)
+    if os.environ.get(CPU_ENV):
+        with contextlib.suppress(OSError), open(os.environ[CPU_ENV], "a") as f:
+            f.write(f"{ended.get('cpu', 0.0)}\n")
     if status < 0:  # killed by a signal: die of the same one, as the cold process would have
         with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set, and needs no setting
             signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
         status = 128 - status
     os._exit(status)
+
+
+def credit_file(path: str | Path) -> float:
+    """Count the CPU seconds a script's forked children wrote to `path` (CPU_ENV) as this process's children's
+    (`credited_cpu_seconds`); the seconds added."""
+    try:
+        seconds = sum(float(line) for line in Path(path).read_text().split())
+    except (OSError, ValueError):
+        return 0.0
+    _CREDITED[0] += seconds
+    return seconds
+
+
+def credited_cpu_seconds() -> float:
+    """CPU seconds of children that ran forked from a server on this process's behalf (`credit_file`)."""
+    return _CREDITED[0]
 
 
 def _in_foreground() -> bool:
@@ -248,10 +282,11 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    """Send each ended child's exit status (negative: the signal that killed it) to its script."""
+    """Send each ended child's exit status (negative: the signal that killed it) and CPU seconds (its own and its
+    reaped children's) to its script."""
     while children:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
@@ -261,7 +296,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             continue
         code = os.waitstatus_to_exitcode(status)
         try:
-            _send(conn, {"status": code})
+            _send(conn, {"status": code, "cpu": round(usage.ru_utime + usage.ru_stime, 3)})
         except OSError:
             pass  # its script is gone
         conn.close()
@@ -317,7 +352,7 @@ def _why_cold(request: dict[str, Any], fds: list[int]) -> str | None:
     for key, theirs in request["interpreter"].items():
         if theirs != ours.get(key):
             return f"the server's interpreter differs in {key} ({ours.get(key)} here, {theirs} in the script)"
-    differ = _env_differs(request["env"], _ENV_BEFORE)
+    differ = _env_differs(request["env"], _ENV_BEFORE, _IMPORTS_SET)
     if differ:
         return (f"the environment differs from the server's in {', '.join(differ[:8])}"
                 f"{' ...' if len(differ) > 8 else ''}: an import may have read it")
@@ -452,17 +487,23 @@ def _finish() -> None:
 
 # ---------------------------------------------------------------------------------------------- the wrapper
 
-def run(command: list[str], preload: tuple[str, ...] = PRELOAD) -> int:
-    """Run `command` with a fork server beside it; its exit status."""
+def run(command: list[str], preload: tuple[str, ...] = PRELOAD, engine: bool = True) -> int:
+    """Run `command` with a fork server beside it (and, with `engine` and an engine environment, one in that
+    environment for the engine's worker); the command's exit status."""
     folder = tempfile.mkdtemp(prefix=PREFIX)
-    path = os.path.join(folder, "socket")
-    server = subprocess.Popen([sys.executable, "-c", f"from {MODULE} import serve; serve({path!r}, {preload!r})"],
-                              process_group=0, env={k: v for k, v in os.environ.items() if k != ENV})
+    plain = {k: v for k, v in os.environ.items() if k not in (ENV, ENGINE_ENV)}
+    wanted = {ENV: (Path(sys.executable), os.path.join(folder, "socket"), preload, plain)}
+    if engine and (spec := _engine_spec(plain)):
+        wanted[ENGINE_ENV] = (spec[0], os.path.join(folder, "engine.socket"), ENGINE_PRELOAD, spec[1])
+    servers = [subprocess.Popen([str(py), str(Path(__file__).resolve()), "--serve", path, "--preload", *mods],
+                                process_group=0, env=env)
+               for py, path, mods, env in wanted.values()]
     try:
         deadline = time.monotonic() + 30
-        while not os.path.exists(path) and server.poll() is None and time.monotonic() < deadline:
+        while (not all(os.path.exists(w[1]) for w in wanted.values()) and time.monotonic() < deadline
+               and all(s.poll() is None for s in servers)):
             time.sleep(0.05)
-        env = {**os.environ, ENV: path} if os.path.exists(path) else dict(os.environ)
+        env = {**plain, **{key: w[1] for key, w in wanted.items() if os.path.exists(w[1])}}
         if ENV not in env:
             print(f"{MODULE}: the server did not start: running {command[0]} without it", file=sys.stderr)
         proc = subprocess.Popen(command, env=env)
@@ -475,12 +516,39 @@ def run(command: list[str], preload: tuple[str, ...] = PRELOAD) -> int:
             except KeyboardInterrupt:  # a terminal's Ctrl-C reached the command too: let it finish its own way
                 continue
     finally:
-        server.terminate()
-        try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _engine_spec(env: dict[str, str]) -> tuple[Path, dict[str, str]] | None:
+    """The engine environment's Python and the environment the serve stage starts its worker in (params.yaml's
+    serve.threads / iomp / multiprocessing, else conf's defaults); None without an engine environment. Another
+    stage's settings (a features run's threads) differ from these, and its worker runs cold."""
+    try:
+        import yaml
+
+        from specdistill.engine.client import engine_env, engine_python
+        python = engine_python()
+    except Exception:  # noqa: BLE001 (no engine environment: nothing to preload)
+        return None
+    serve: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError, AttributeError, yaml.YAMLError):
+        serve = yaml.safe_load(Path("params.yaml").read_text()).get("serve") or {}
+    saved = os.environ.copy()
+    try:  # engine_env reads os.environ: give it the command's
+        os.environ.clear()
+        os.environ.update(env)
+        return python, engine_env(python, serve.get("threads", "0-1"), bool(serve.get("iomp", True)),
+                                  multiprocessing=bool(serve.get("multiprocessing", False)))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -490,12 +558,19 @@ def main(argv: list[str] | None = None) -> None:
                f"{ENV} unset) starts cold, as before")
     ap.add_argument("--preload", nargs="*", default=None, metavar="MODULE",
                     help=f"the modules the server imports (default: {' '.join(PRELOAD)})")
+    ap.add_argument("--no-engine", action="store_true",
+                    help="no second server in the engine's environment (.venv-engine) for its worker")
+    ap.add_argument("--serve", metavar="SOCKET", help=argparse.SUPPRESS)  # how the wrapper starts each server
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the command to run beside the server, after --")
     args = ap.parse_args(argv)
+    preload = tuple(args.preload) if args.preload is not None else PRELOAD
+    if args.serve:
+        serve(args.serve, preload)
+        return
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         ap.error("name the command to run, e.g. -- dvc repro")
-    sys.exit(run(command, tuple(args.preload) if args.preload is not None else PRELOAD))
+    sys.exit(run(command, preload, engine=not args.no_engine))
 
 
 if __name__ == "__main__":

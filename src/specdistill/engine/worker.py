@@ -1,17 +1,18 @@
 """Runs INSIDE the engine's virtualenv (`.venv-engine`): vLLM serves a target (+ draft) for a job.
 
-Started by `specdistill.engine.client` as its own process, as users deploy the engine; it imports vllm and
-nothing of specdistill (whose environment pins another transformers). It reads a job (JSON) and starts the offline
-engine once. A serve job (`runs`) feeds each run's prompts through a bounded client: at most `concurrency` requests
-in flight, a new one added as one finishes, each request's latency from its submission to its last token; the
-engine's own speculative counters (`vllm:spec_decode_*`) are read before and after each run, so a run's acceptance
-is its own. A generate job (`shards`) answers the prompts of each shard and writes each shard's answers as soon as
-it is whole (`generate_shards`). A features job (`features`) runs each row (prompt + response token ids) once
-through the target with vLLM's `extract_hidden_states` method and writes each shard's hidden states at the
-requested layers and top-k prompt log-probs as soon as the shard is whole (`feature_shards`). The result (tokens,
-timings, counters) goes to a JSON file; progress to stderr. A job of serve jobs (`engines`) starts one engine after
-another in this process, each shut down before the next starts: one `import vllm` for all of them (14.6 s of each
-start on an AVX2 CPU), where a start in a process of its own pays it every time.
+Started by `specdistill.engine.client` as its own process, as users deploy the engine; it imports vllm and nothing
+of specdistill (whose environment pins another transformers) but the fork server, which is stdlib only: under `make
+repro` the worker runs forked from a process that has imported vLLM (`specdistill.forkserver`). It reads a job
+(JSON) and starts the offline engine once. A serve job (`runs`) feeds each run's prompts through a bounded client:
+at most `concurrency` requests in flight, a new one added as one finishes, each request's latency from its
+submission to its last token; the engine's own speculative counters (`vllm:spec_decode_*`) are read before and after
+each run, so a run's acceptance is its own. A generate job (`shards`) answers the prompts of each shard and writes
+each shard's answers as soon as it is whole (`generate_shards`). A features job (`features`) runs each row (prompt +
+response token ids) once through the target with vLLM's `extract_hidden_states` method and writes each shard's
+hidden states at the requested layers and top-k prompt log-probs as soon as the shard is whole (`feature_shards`).
+The result (tokens, timings, counters) goes to a JSON file; progress to stderr. A job of serve jobs (`engines`)
+starts one engine after another in this process, each shut down before the next starts: one `import vllm` for all of
+them (14.6 s of each start on an AVX2 CPU), where a start in a process of its own pays it every time.
 
     python worker.py JOB.json RESULT.json
 """
@@ -399,6 +400,11 @@ def main(job_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":  # the engine starts its workers with spawn: this guard is required
+    if os.environ.get("SPECDISTILL_FORKSERVER"):  # under `make repro`: run forked from a process that imported vLLM
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the fork server alone, stdlib only
+        from specdistill.forkserver import hand_over
+        del sys.path[0]
+        hand_over(Path(__file__).parent)
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2])
