@@ -533,7 +533,7 @@ def _engine_spec(env: dict[str, str]) -> tuple[Path, dict[str, str]] | None:
     try:
         import yaml
 
-        from specdistill.engine.client import engine_env, engine_python
+        from specdistill.engine.environment import engine_env, engine_python
         python = engine_python()
     except Exception:  # noqa: BLE001 (no engine environment: nothing to preload)
         return None
