@@ -172,7 +172,10 @@ def test_a_signal_to_the_script_ends_its_child(scripts: Path, server, tmp_path: 
 def test_the_child_is_in_the_scripts_process_group(scripts: Path, server, tmp_path: Path) -> None:
     """What a terminal or a killer sends the group (Ctrl-C, Ctrl-Z, killpg) reaches the child and what it started,
     as it would reach a cold process: here a SIGINT to the group ends the probe and the `sleep` it started."""
-    proc, child, sub = _sleeping(scripts, server[1], tmp_path / "child.pid", process_group=0)  # as DVC's group
+    # SIGINT as a terminal leaves it: a shell without job control starts a background job (`make test &`) with
+    # SIGINT ignored, and a script that inherits that, cold or warm, outlives a Ctrl-C
+    proc, child, sub = _sleeping(scripts, server[1], tmp_path / "child.pid", process_group=0,  # as DVC's group
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert os.getpgid(child) == os.getpgid(sub) == proc.pid
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(30) == -signal.SIGINT
