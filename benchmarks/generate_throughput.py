@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill.data.generation import GenerateConfig, generate_shard  # noqa: E402
-from specdistill.engine.client import engine_available  # noqa: E402
+from specdistill.engine.environment import engine_available  # noqa: E402
 from specdistill.engine.generation import generate_with_engine  # noqa: E402
 from specdistill.evaluation.prompts import load_prompts  # noqa: E402
 from specdistill.export.target import export_target  # noqa: E402

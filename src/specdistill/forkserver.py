@@ -348,7 +348,6 @@ def _take(conn: socket.socket, listener: socket.socket, children: dict[int, sock
     except OSError:
         os.kill(pid, signal.SIGKILL)  # the script is gone; the child waits for its go and never ran
     return pid
-    return None
 
 
 def _why_cold(request: dict[str, Any], fds: list[int]) -> str | None:
@@ -534,8 +533,8 @@ def run(command: list[str], preload: tuple[str, ...] = PRELOAD, engine: bool = T
 
 def _engine_spec(env: dict[str, str]) -> tuple[Path, dict[str, str]] | None:
     """The engine environment's Python and the environment the serve stage starts its worker in (params.yaml's
-    serve.threads / iomp / multiprocessing, else conf's defaults); None without an engine environment. Another
-    stage's settings (a features run's threads) differ from these, and its worker runs cold."""
+    serve.threads / iomp / multiprocessing, else conf's defaults); None without an engine environment or those
+    settings. Another stage's settings (a features run's threads) differ from these, and its worker runs cold."""
     try:
         import yaml
 
@@ -544,17 +543,17 @@ def _engine_spec(env: dict[str, str]) -> tuple[Path, dict[str, str]] | None:
     except Exception:  # noqa: BLE001 (no engine environment: nothing to preload)
         return None
     serve: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError, AttributeError, yaml.YAMLError):
-        serve = yaml.safe_load(Path("params.yaml").read_text()).get("serve") or {}
-    saved = os.environ.copy()
-    try:  # engine_env reads os.environ: give it the command's
-        os.environ.clear()
-        os.environ.update(env)
-        return python, engine_env(python, serve.get("threads", "0-1"), bool(serve.get("iomp", True)),
-                                  multiprocessing=bool(serve.get("multiprocessing", False)))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    for file, key in (("params.yaml", "serve"), ("conf/serve/default.yaml", None)):
+        with contextlib.suppress(OSError, ValueError, AttributeError, yaml.YAMLError):
+            loaded = yaml.safe_load(Path(file).read_text())
+            serve = (loaded.get(key) if key else loaded) or {}
+        if serve:
+            break
+    try:
+        return python, engine_env(python, serve["threads"], bool(serve["iomp"]),
+                                  multiprocessing=bool(serve["multiprocessing"]), base=env)
+    except KeyError:  # no serve settings to start the worker under: it runs cold
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill import forkserver
-from specdistill.engine.environment import EngineError, engine_available, engine_env, engine_python  # noqa: F401
+from specdistill.engine.environment import EngineError, engine_env, engine_python
 
 log = logging.getLogger(__name__)
 

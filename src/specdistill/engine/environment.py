@@ -11,6 +11,7 @@ it reserves one core for its scheduler, which leaves one of two cores for the mo
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 DEFAULT_VENV = ".venv-engine"
@@ -41,14 +42,14 @@ def engine_available() -> bool:
 
 
 def engine_env(python: Path, threads: str | None = None, iomp: bool = True, kv_cache_gib: int = 1,
-               multiprocessing: bool = False) -> dict[str, str]:
+               multiprocessing: bool = False, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment the engine runs under on a CPU: its KV-cache size (else it reserves 92% of the RAM), the cores
     its worker binds (`threads`, e.g. "0-1"; None: vLLM's default), Intel OpenMP when asked and present, and where
     its engine core runs: in the worker's process (`multiprocessing=False`), or in a process of its own with the
     model in a third (vLLM's default for `LLM`): on 2 cores those compete, and a start took 19-22 s against 3-5
     (docs/findings.md, "The engine's core in its own process or in the worker's"). A VLLM_ENABLE_V1_MULTIPROCESSING
-    already set wins."""
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    already set wins. `base`: the environment to start from (default: this process's)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k != "LD_PRELOAD"}
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if multiprocessing else "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
