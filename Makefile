@@ -1,6 +1,9 @@
 # Two commands do everything on a fresh machine (README.md):
 #   make repro   create .venv and .venv-engine, install, `dvc repro` the default experiment (fetches the assets)
-#   make test    create .venv, install, fetch the pinned assets, run the tests (fast + slow)
+#   make test    create .venv and .venv-engine, fetch the pinned assets, run the tests in four timed parts
+#                (fast, lossless, engine, smoke: tests/budget.py prints the minutes of each); what CI runs
+#   make test-full   the same with the heavier tier (pytest --full): every smoke item, larger lossless samples,
+#                every engine schedule; run it before resolving an issue that touches decoding, the engine or stages
 # Variables: EXPERIMENT=default|cpu_full|smoke, OVERRIDES='generate.max_new_tokens=64 ...',
 #            STAGES='evaluate@eagle evaluate@eagle_lookup' (only these and what they need; default: all),
 #            TORCH='torch==2.13.0' (the CPU wheel here; on a GPU machine e.g. TORCH=torch),
@@ -18,7 +21,7 @@ ENGINE_VENV := .venv-engine
 export PATH := $(BIN):$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup engine params assets repro test test-fast lint bench clean-venv
+.PHONY: setup engine params assets repro test test-full test-fast lint bench clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -51,15 +54,16 @@ params: setup
 assets: setup
 	$(BIN)/python pipelines/fetch_assets.py
 
-# beside a fork server: each stage item DVC starts forks from one interpreter that has imported torch, transformers
-# and Lightning, rather than importing them again (src/specdistill/forkserver.py)
 repro: params engine
-	$(BIN)/python -m specdistill.forkserver -- $(BIN)/dvc repro $(STAGES)
+	$(BIN)/dvc repro $(STAGES)
 	@$(BIN)/python -c "import yaml; p = yaml.safe_load(open('params.yaml'))['paths']; \
 	print(f'report: {p[\"reports_dir\"]}/README.md; metrics: {p[\"metrics_dir\"]}/ (dvc metrics show); plots: {p[\"plots_dir\"]}/')"
 
 test: setup assets engine
-	$(BIN)/python -m pytest
+	$(BIN)/python tests/budget.py
+
+test-full: setup assets engine
+	$(BIN)/python tests/budget.py --full
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow and not engine and not lossless_full"

@@ -1,7 +1,7 @@
 """Where a `dvc repro` spends its time: minutes per stage, per foreach stage and in all, for an experiment run from
 scratch in a temporary copy of the checkout (the checkout's own outputs and dvc.lock stay as they are).
 
-    python benchmarks/repro_times.py [--experiment smoke] [--set KEY=VALUE ...] [--dir /tmp/repro] [--keep] [--cold]
+    python benchmarks/repro_times.py [--experiment smoke] [--set KEY=VALUE ...] [--dir /tmp/repro] [--keep] [TARGET ...]
 
 The copy is what tests/test_smoke.py runs: the project's files, no outputs, the fetched assets (`make assets`).
 W&B is off. Needs `make engine` for the engine's stages. Prints the machine's kind beside the table: on a CPU
@@ -30,9 +30,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="Hydra overrides for compose.py")
     ap.add_argument("--dir", type=Path, default=None, help="where to make the copy (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the copy (its outputs, dvc.lock and repro.log)")
-    ap.add_argument("--cold", action="store_true",
-                    help="every item in a fresh interpreter (plain `dvc repro`), not forked from the warm server "
-                         "`make repro` runs beside it (specdistill.forkserver)")
+    ap.add_argument("targets", nargs="*", help="stage items to run (and what they need); default: every one")
     ap.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the repro is killed")
     args = ap.parse_args()
 
@@ -43,10 +41,11 @@ def main() -> None:
     env = repro_env(require_engine=False)  # without `make engine` the engine's stages say so themselves
     subprocess.run([sys.executable, "pipelines/compose.py", f"experiment={args.experiment}", *args.set], cwd=proj,
                    env=env, check=True)
-    print(f"dvc repro of {args.experiment} in {proj} on {cpu_name()} (bf16 units: {matrix_units() or 'none'}), "
-          f"{'cold' if args.cold else 'warm'}", flush=True)
+    print(f"dvc repro of {args.experiment} in {proj} on {cpu_name()} (bf16 units: {matrix_units() or 'none'})",
+          flush=True)
     code, out, minutes = timed_repro(proj, env, args.timeout,
-                                     lambda stage, at: print(f"{at:7.2f} min  {stage}", flush=True), warm=not args.cold)
+                                     lambda stage, at: print(f"{at:7.2f} min  {stage}", flush=True),
+                                     targets=args.targets)
     print(minutes_table(minutes))
     if code:
         print(out[-4000:], file=sys.stderr)

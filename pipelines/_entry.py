@@ -15,17 +15,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # runs from a plain checkout too
 
-from specdistill.forkserver import hand_over  # noqa: E402
-
-# under `python -m specdistill.forkserver -- dvc repro` (`make repro`) the stage runs in a child forked from a warm
-# interpreter, which has imported torch, transformers and Lightning once for every item; this process only waits
-hand_over(ROOT / "pipelines")
-
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from specdistill.config import register_resolvers  # noqa: E402
-from specdistill.stages.common import setup_logging  # noqa: E402
+from specdistill.stages.common import check_globals, setup_logging  # noqa: E402
 
 register_resolvers()  # conf/'s `${files_stamp:...}` when a stage composes conf/ itself (run by hand)
 
@@ -39,6 +33,7 @@ def stage_main(run: Callable[..., Any], job: Callable[[], Any] | None = None,
     def _main(cfg: DictConfig) -> None:
         setup_logging()
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        check_globals(container)
         run(container, job=job()) if job else run(container)
 
     stage = Path(sys.argv[0]).stem

@@ -87,6 +87,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="the heavier tier too (`make test-full`): tests marked `full`, and the lossless suite at its "
+                          "larger sample size")
+
+
+@pytest.fixture(scope="session")
+def full_tier(request) -> bool:
+    """`pytest --full` (`make test-full`): the heavier tier, where a test sizes itself up."""
+    return bool(request.config.getoption("--full"))
+
+
 def pytest_collection_modifyitems(config, items):
     from specdistill.engine.client import EngineError, engine_python
 
@@ -97,6 +109,8 @@ def pytest_collection_modifyitems(config, items):
     except EngineError as e:
         no_engine = str(e)
     for item in items:
+        if item.get_closest_marker("full") and not config.getoption("--full"):
+            item.add_marker(pytest.mark.skip(reason="the heavier tier: `make test-full` (pytest --full) runs it"))
         if "slow" in item.keywords and not gguf.exists():
             item.add_marker(pytest.mark.skip(reason=f"{gguf} is missing: run `make assets` (the fetch_assets stage)"))
         if "engine" in item.keywords and no_engine:

@@ -14,11 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
 
-# decides which process runs a stage (a warm fork or a cold start), not what the stage computes: a change to it reruns
-# nothing (tests/test_forkserver.py holds the fork to the cold start's arguments, environment, files and status)
-PROCESS_ONLY = {"src/specdistill/forkserver.py"}
-
-
 def _module_file(name: str) -> Path | None:
     base = SRC.joinpath(*name.split("."))
     if (base / "__init__.py").exists():
@@ -59,8 +54,7 @@ def _closure(script: Path) -> set[Path]:
                 file = _module_file(".".join(parts[:i]))
                 if file is not None and file not in seen:
                     seen.add(file)
-                    if file.relative_to(ROOT).as_posix() not in PROCESS_ONLY:  # what it imports runs no stage's work
-                        todo.append(file)
+                    todo.append(file)
     return seen
 
 
@@ -87,8 +81,6 @@ def test_deps_cover_imported_code(stage: str, script: Path, deps: list[str]) -> 
         if rel.endswith("__init__.py") and file.stat().st_size == 0:
             continue  # an empty package marker changes no output
         if any(rel == d or rel.startswith(d.rstrip("/") + "/") for d in deps):
-            continue
-        if rel in PROCESS_ONLY:
             continue
         missing.append(rel)
     assert not missing, f"stage {stage} imports files dvc.yaml does not list as deps: {missing}"

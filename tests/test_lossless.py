@@ -5,11 +5,24 @@ law of the n-th generated token is exact: the first token's warped distribution 
 transition matrix n-1 times (`exact_marginals`). Each proposer drafts from unrelated random weights, so
 most drafts are partly rejected and the residual rule carries the result. Checked for the first drafted
 token (position 1; position 0 comes from the prefill) and the fifth (position 4), at T=1 (every shape) and at
-T=0.7 / top-p 0.9 (where the warp can meet the rule differently: `WARPED`), with a Pearson chi-square over
-20,000 draws from fixed seeds (deterministic: a pass stays a pass), drawn in four seeded chunks over the cores.
-The control breaks the rule (no residual after a rejection) and must be caught at 4,000 draws. This file is
-the lossless suite of every drafting shape; the method files test their drafts' other properties.
-Run with `-s` to see the p-values; `make test-fast` leaves out the costly cases (`COSTLY`, marker lossless_full).
+T=0.7 / top-p 0.9 (where the warp can meet the rule differently: `WARPED`), with a Pearson chi-square over draws
+from fixed seeds (deterministic: a pass stays a pass), drawn in four seeded chunks over the cores.
+
+The sizes come from the test's power (tests/helpers/stats.py), not from its wall time. A position's law q that
+differs from the exact p by total variation TV has Cohen's w >= 2 TV, and the chi-square over V = 8 tokens
+(df 7) at ALPHA = 1e-3 rejects it with probability POWER = 0.9 once draws * w^2 >= 31.8. So:
+
+| tier | draws | every deviation caught (power 0.9, alpha 1e-3 per position) |
+|---|---|---|
+| `make test` | 8,834 | TV >= 0.030 (3 points of probability moved) |
+| `make test-full` | 35,334 | TV >= 0.015 |
+
+The control breaks the rule (no residual after a rejection): every shape's broken law lies at w >= 0.2 from the
+target's (`pytest -s` prints each, measured), so CONTROL_DRAWS = 1,150 catch a law at w = 0.2 with power 0.999
+at 1e-6, the threshold the control asserts; the control also asserts the law it caught is one the main size
+would catch (its w above the main size's smallest). This file is the lossless suite of every drafting shape; the
+method files test their drafts' other properties. Run with `-s` to see the p-values and effect sizes;
+`make test-fast` leaves out the costly cases (`COSTLY`, marker lossless_full).
 """
 
 from __future__ import annotations
@@ -38,10 +51,14 @@ from specdistill.models.medusa import MedusaConfig, MedusaHeads
 
 from .helpers.decoding import BigramProposer, FeatureBigramVerifier, V, exact_marginals, tables
 from .helpers.drafts import bigram_drafter, bigram_head
-from .helpers.stats import chi2_p
+from .helpers.stats import chi2_p, draws_to_detect, effect_size, smallest_detected_tv
 
 PROMPT = [0, 3, 5, 1, 3, 2, 0, 3]  # repeats, so prompt lookup drafts too
-NEW, DRAWS, POSITIONS = 5, 20_000, (1, 4)
+NEW, POSITIONS = 5, (1, 4)
+ALPHA, POWER = 1e-3, 0.9  # per position; a fixed seed makes a pass stay a pass
+TV, TV_FULL = 0.03, 0.015  # the smallest deviation caught, `make test` and `make test-full`
+CONTROL_W, CONTROL_ALPHA, CONTROL_POWER = 0.2, 1e-6, 0.999  # the broken rules' smallest effect, measured
+CONTROL_DRAWS = int(np.ceil(draws_to_detect(CONTROL_W / 2, V, CONTROL_ALPHA, CONTROL_POWER) / 50) * 50)
 CHUNKS = 4  # the draws in 4 seeded chunks, spread over the cores (the `pool` fixture)
 
 
@@ -91,6 +108,7 @@ WARPED = ("chain", "topk_tree", "iid_tree", "eagle_chain", "eagle_dynamic", "dfl
 # `make test` runs it, `make test-fast` leaves it out (marker lossless_full); every shape's T = 1 case that is left
 # runs in both
 COSTLY = ("eagle_chain", "eagle_static", "eagle_dynamic", "union", "union_branches")
+pytestmark = pytest.mark.lossless
 CASES = [pytest.param(shape, sampling, id=f"{shape}-{sampling}",
                       marks=[pytest.mark.lossless_full] if shape in COSTLY or sampling != "T1" else [])
          for shape in PROPOSERS for sampling in SAMPLINGS if sampling == "T1" or shape in WARPED]
@@ -121,26 +139,51 @@ def pool():
         yield ex
 
 
-def p_values(pool, shape: str, sampling: str, seed: int = 1, draws: int = DRAWS,
-             broken: bool = False) -> dict[int, float]:
+def drawn(pool, shape: str, sampling: str, draws: int, seed: int = 1,
+          broken: bool = False) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """`draws` generations and the exact law of each position."""
     sizes = [draws // CHUNKS + (i < draws % CHUNKS) for i in range(CHUNKS)]
     parts = pool.map(draws_of, [shape] * CHUNKS, [sampling] * CHUNKS, [seed * 1000 + i for i in range(CHUNKS)],
                      sizes, [broken] * CHUNKS)
-    out = np.concatenate(list(parts))
     table, _ = tables()
-    exact = exact_marginals(table, table[PROMPT[-1]], SAMPLINGS[sampling], NEW)
-    return {pos: chi2_p(out[:, pos], exact[pos]) for pos in POSITIONS}
+    return np.concatenate(list(parts)), exact_marginals(table, table[PROMPT[-1]], SAMPLINGS[sampling], NEW)
 
 
 @pytest.mark.parametrize(("shape", "sampling"), CASES)
-def test_first_and_fifth_token_follow_the_target(pool, shape, sampling):
-    p = p_values(pool, shape, sampling)
-    print(f"\nlossless {shape:13s} {sampling:9s} " + "  ".join(f"p(pos {k})={v:.3f}" for k, v in p.items()))
-    assert min(p.values()) > 1e-3, p
+def test_first_and_fifth_token_follow_the_target(pool, full_tier, shape, sampling):
+    tv = TV_FULL if full_tier else TV
+    out, exact = drawn(pool, shape, sampling, draws_to_detect(tv, V, ALPHA, POWER))
+    p = {pos: chi2_p(out[:, pos], exact[pos]) for pos in POSITIONS}
+    print(f"\nlossless {shape:13s} {sampling:9s} {len(out)} draws (TV >= {tv} caught) "
+          + "  ".join(f"p(pos {k})={v:.3f}" for k, v in p.items()))
+    assert min(p.values()) > ALPHA, p
 
 
 @pytest.mark.parametrize("shape", CONTROLS)
 def test_the_suite_catches_a_broken_rule(pool, shape):
-    p = p_values(pool, shape, "T1", draws=4_000, broken=True)  # caught long before 20,000 draws
-    print(f"\nbroken rule {shape:13s} " + "  ".join(f"p(pos {k})={v:.2e}" for k, v in p.items()))
-    assert min(p.values()) < 1e-6, p
+    out, exact = drawn(pool, shape, "T1", CONTROL_DRAWS, broken=True)
+    p = {pos: chi2_p(out[:, pos], exact[pos]) for pos in POSITIONS}
+    w = {pos: effect_size(out[:, pos], exact[pos]) for pos in POSITIONS}
+    print(f"\nbroken rule {shape:13s} " + "  ".join(f"p(pos {k})={v:.2e} w={w[k]:.3f}" for k, v in p.items()))
+    assert min(p.values()) < CONTROL_ALPHA, p
+    # the broken law is one the main size catches too: its deviation above the smallest that size detects
+    assert max(w.values()) >= 2 * smallest_detected_tv(draws_to_detect(TV, V, ALPHA, POWER), V, ALPHA, POWER), w
+
+
+def test_the_sizes_catch_the_deviation_they_promise():
+    """The power calculation against simulation: laws at the smallest w the size set for TV detects (random
+    directions around the exact law of position 1) are rejected at ALPHA about POWER of the time, and each lies at
+    TV <= w / 2 from it, so a law at TV or more is at least as far."""
+    rng = np.random.default_rng(0)
+    table, _ = tables()
+    p = exact_marginals(table, table[PROMPT[-1]], SAMPLINGS["T1"], NEW)[1].numpy()
+    n, trials, rejected = draws_to_detect(TV, V, ALPHA, POWER), 400, 0
+    w = 2 * smallest_detected_tv(n, V, ALPHA, POWER)
+    for _ in range(trials):
+        d = rng.standard_normal(V) * p
+        d -= p * d.sum()  # a direction that keeps the total at 1
+        d *= w / np.sqrt((d**2 / p).sum())
+        q = np.clip(p + d, 0, None)
+        assert np.abs(q - p).sum() / 2 <= w / 2 + 1e-9
+        rejected += chi2_p(rng.choice(V, n, p=q / q.sum()), p) < ALPHA
+    assert abs(rejected / trials - POWER) < 0.05, rejected / trials

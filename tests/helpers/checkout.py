@@ -4,7 +4,7 @@ conf/ composes, a stage's entry point, and a digest of every file to check that 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -78,19 +78,18 @@ def repro_env(require_engine: bool = True) -> dict[str, str]:
 
 def timed_repro(proj: Path, env: dict[str, str], timeout: float,
                 on_stage: Callable[[str, float], None] | None = None,
-                warm: bool = True) -> tuple[int, str, dict[str, float]]:
-    """`dvc repro` in `proj`, as `make repro` runs it (beside the fork server; `warm=False`: every item cold): its
-    exit code, its output, and each stage's minutes (from its "Running stage" line to the next stage's or the end),
-    so a slow run says where its time went. Killed after `timeout` seconds (-9).
+                targets: Sequence[str] = ()) -> tuple[int, str, dict[str, float]]:
+    """`dvc repro [targets]` in `proj`, as `make repro` runs it: its exit code, its output, and each stage's minutes
+    (from its "Running stage" line to the next stage's or the end), so a slow run says where its time went.
+    Killed after `timeout` seconds (-9).
     `on_stage(name, minutes since the start)` as each stage starts: progress for a long run."""
     import os
     import signal
     import subprocess
-    import sys
     import threading
     import time
 
-    command = [sys.executable, "-m", "specdistill.forkserver", "--", "dvc", "repro"] if warm else ["dvc", "repro"]
+    command = ["dvc", "repro", *targets]
     proc = subprocess.Popen(command, cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     watchdog = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))  # dvc and its stage too

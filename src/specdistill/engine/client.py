@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdistill import forkserver
 from specdistill.engine.environment import EngineError, engine_env, engine_python
 
 log = logging.getLogger(__name__)
@@ -48,10 +46,6 @@ class EngineProcess:
         # relay: the progress lines go to our stderr and vLLM's own log to the file (read it, or the pipe fills);
         # without it everything goes to the file, for workers that run side by side
         env = {**engine_env(py, threads, iomp, multiprocessing=multiprocessing), **(env or {})}
-        self.cpu_file = Path(self._tmp.name) / "forked_cpu"
-        if os.environ.get(forkserver.ENGINE_ENV):  # under `make repro`: it forks from a process that imported vLLM
-            env[forkserver.ENV] = os.environ[forkserver.ENGINE_ENV]
-            env[forkserver.CPU_ENV] = str(self.cpu_file)  # its CPU, ours as a cold worker's would be (contention)
         self.proc = subprocess.Popen(
             [str(py), str(WORKER), str(job_file), str(self.result_file)], cwd=Path(root or Path.cwd()).resolve(),
             env=env, stdout=self._log,
@@ -77,7 +71,6 @@ class EngineProcess:
                 raise self.failure()
             result = json.loads(self.result_file.read_text())
         finally:
-            forkserver.credit_file(self.cpu_file)
             self._tmp.cleanup()
         if not self.keep_log:
             self.log_file.unlink(missing_ok=True)

@@ -1,6 +1,5 @@
 """Where the serving engine lives and the environment it runs under: its virtualenv's Python and, on a CPU, the
-OpenMP runtime, thread binding and engine-core process it needs (stdlib only: the fork server's wrapper reads it too,
-before any stage runs).
+OpenMP runtime, thread binding and engine-core process it needs (stdlib only).
 
 On a CPU the engine's speed depends on its OpenMP runtime and thread binding: vLLM warns that speculative decoding
 without Intel OpenMP (`libiomp5`, shipped in the engine environment) in `LD_PRELOAD` is much slower, and by default

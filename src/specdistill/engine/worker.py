@@ -1,8 +1,7 @@
 """Runs INSIDE the engine's virtualenv (`.venv-engine`): vLLM serves a target (+ draft) for a job.
 
 Started by `specdistill.engine.client` as its own process, as users deploy the engine; it imports vllm and nothing
-of specdistill (whose environment pins another transformers) but the fork server, which is stdlib only: under `make
-repro` the worker runs forked from a process that has imported vLLM (`specdistill.forkserver`). It reads a job
+of specdistill (whose environment pins another transformers). It reads a job
 (JSON) and starts the offline engine once. A serve job (`runs`) feeds each run's prompts through a bounded client:
 at most `concurrency` requests in flight, a new one added as one finishes, each request's latency from its
 submission to its last token; the engine's own speculative counters (`vllm:spec_decode_*`) are read before and after
@@ -400,11 +399,6 @@ def main(job_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":  # the engine starts its workers with spawn: this guard is required
-    if os.environ.get("SPECDISTILL_FORKSERVER"):  # under `make repro`: run forked from a process that imported vLLM
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the fork server alone, stdlib only
-        from specdistill.forkserver import hand_over
-        del sys.path[0]
-        hand_over(Path(__file__).parent)
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2])

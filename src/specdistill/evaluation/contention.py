@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specdistill import forkserver
-
 BUSY = 0.1  # others' share of our CPUs above which a run's timings are flagged (log and report)
 
 
@@ -55,9 +53,7 @@ def own_and_children_cpu_seconds() -> float:
     (W&B's service) is not counted yet, so it stays among the others; so does a grandchild its parent did not wait
     for (an engine core killed at shut-down with `serve.multiprocessing=true`): its time would read as others'."""
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    # an engine worker forked from the fork server (`make repro`) is the server's child, not ours: its script
-    # reports its CPU, counted here as a cold worker's would be through RUSAGE_CHILDREN
-    return own_cpu_seconds() + kids.ru_utime + kids.ru_stime + forkserver.credited_cpu_seconds()
+    return own_cpu_seconds() + kids.ru_utime + kids.ru_stime
 
 
 def busy_lines(shares: dict[str, float | None], runs: str = "runs") -> list[str]:
