@@ -134,3 +134,19 @@ def test_asset_fields_are_checked_before_pip_runs(tmp_path, name, spec, message)
     item = {"wheel": "demo-asset", "version": "0.1.0", "sha256": "0" * 64, "member": "demo_asset/data/model.bin"}
     with pytest.raises(AssetError, match=message):
         parse_assets({name: {**item, **spec}})
+
+
+@pytest.mark.parametrize("arg", ["--no-binary=:all:", "--no-binary", "--only-binary=demo", "-r", "--pre",
+                                 "--no-deps"])
+def test_pip_args_cannot_undo_the_safety_flags(tmp_path, index, arg):
+    """The user's pip arguments come after `--only-binary=:all: --require-hashes`: `--no-binary=:all:` in a shared
+    params file once turned source builds back on. Only where and how to reach the wheels may be said."""
+    asset, pip_args, _ = index
+    root = tmp_path / "assets"
+    with pytest.raises(AssetError, match=f"pip_args.*{arg.split('=')[0]}.*not allowed"):
+        fetch_all([asset], root, [*pip_args, arg])
+    assert not root.exists() or not any(root.rglob("*.bin"))
+    from specdistill.assets import AssetsConfig
+
+    with pytest.raises(AssetError, match="not allowed"):
+        AssetsConfig(dir="x", items={}, pip_args=[arg])

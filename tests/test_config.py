@@ -112,6 +112,14 @@ def test_stage_front_door_rejects_unknown_key():
     assert "bogus" in proc.stderr + proc.stdout
 
 
+def test_a_bad_global_is_named_as_itself_not_as_a_section_key():
+    """`seed=abc` was reported as `generate.seed`, the first section key that interpolates it."""
+    proc = subprocess.run([sys.executable, str(ROOT / "pipelines/generate.py"), "seed=abc"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "`seed='abc'`: must be an integer" in proc.stderr + proc.stdout and "generate.seed" not in proc.stderr
+
+
 def test_stage_help_lists_config():
     proc = subprocess.run([sys.executable, str(ROOT / "pipelines/prepare.py"), "--help"],
                           capture_output=True, text=True, cwd=ROOT)

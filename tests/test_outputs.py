@@ -27,7 +27,13 @@ DELETING = [  # (stage, overrides, the key the error must name): each of these o
     ("generate", ["paths.generated_dir=data"], "paths.generated_dir"),  # would hold (and wipe) data/prompts
     ("generate", ["paths.generated_dir=models"], "paths.generated_dir"),  # exists, not ours: no FINGERPRINT
     ("train", ["method=draft", "paths.checkpoints_dir=data", "distill.output=prompts"], "paths.checkpoints_dir"),
-    ("evaluate", ["paths.plots_dir=data", "eval.name=prompts"], "eval.name"),  # data/prompts: not a plots folder
+    ("evaluate", ["paths.plots_dir=data", "eval.name=prompts"], "paths.plots_dir"),  # holds data/prompts
+    # second round: a derived folder (plots/<eval.name>, models/<distill.output>, a report) inside another output
+    ("report", ["paths.reports_dir=models/draft"], "paths.models_dir"),  # the trained draft replaced by the report
+    ("evaluate", ["paths.plots_dir=models"], "paths.models_dir"),  # measured models/draft, then replaced it
+    ("evaluate", ["paths.plots_dir=data/prompts", "eval.name=train"], "paths.plots_dir"),
+    ("train", ["method=draft", "paths.models_dir=data/prompts", "distill.output=train"], "paths.models_dir"),
+    ("evaluate", ["paths.metrics_dir=models/draft", "eval.name=config"], "paths.models_dir"),  # its config.json
     ("online", ["paths.models_dir=/"], "paths.models_dir"),
 ]
 
@@ -53,7 +59,7 @@ def test_the_front_door_refuses_before_it_loads_anything(checkout):
     assert all(k.startswith(("outputs/", "__pycache__/")) or "/__pycache__/" in k for k in set(after) - set(before))
 
 
-@pytest.mark.parametrize("value", ["..", ".", "../x", "a/b", "", ".hidden", "/abs", None, 3])
+@pytest.mark.parametrize("value", ["..", ".", "../x", "a/b", "", ".hidden", "/abs", None, 3, "x" * 300])
 def test_names_that_become_paths_are_plain(value):
     with pytest.raises(OutputError, match="plain name"):
         plain_name(value, "eval.name")
@@ -122,3 +128,94 @@ def test_a_process_any_launcher_names_as_another_rank_is_not_rank_zero(var, monk
     assert is_rank_zero()
     monkeypatch.setenv(var, "1")
     assert not is_rank_zero()
+
+
+def _fresh_locks(monkeypatch, tmp_path):
+    import tempfile
+
+    from specdistill import outputs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(outputs, "_held", {})
+    for v in outputs.RANK_VARIABLES:
+        monkeypatch.delenv(v, raising=False)
+    return outputs
+
+
+def test_a_link_planted_as_the_lock_is_refused_and_its_target_untouched(tmp_path, monkeypatch):
+    """The lock once followed a planted symlink and truncated its target to `pid N` (issue: hardening, 2nd round)."""
+    import hashlib
+
+    outputs = _fresh_locks(monkeypatch, tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("x" * 1900)
+    out = (tmp_path / "models" / "draft").resolve()
+    folder = outputs.lock_folder()
+    (folder / f"{hashlib.sha1(str(out).encode()).hexdigest()}.lock").symlink_to(victim)
+    with pytest.raises(OutputError, match="lock file"):
+        outputs.lock_output(out, "distill.output")
+    assert victim.read_text() == "x" * 1900
+
+
+def test_the_lock_folder_is_the_users_own(tmp_path, monkeypatch):
+    """Per user and 0700: a shared 0755 folder made by whoever came first locked every other user out; a folder
+    others can write (or a link) is refused, naming it."""
+    import stat
+
+    outputs = _fresh_locks(monkeypatch, tmp_path)
+    outputs.lock_output(tmp_path / "out", "paths.generated_dir")
+    folder = outputs.lock_folder()
+    assert folder.name == f"specdistill-locks-{os.getuid()}"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert [p.read_text() for p in folder.iterdir()] == [f"pid {os.getpid()}\n"]
+    folder.chmod(0o777)
+    with pytest.raises(OutputError, match="only you can write"):
+        outputs.lock_folder()
+    folder.chmod(0o700)
+    other = tmp_path / "elsewhere"
+    other.mkdir(mode=0o700)
+    for f in folder.iterdir():
+        f.unlink()
+    folder.rmdir()
+    folder.symlink_to(other)
+    with pytest.raises(OutputError, match="only you can write"):
+        outputs.lock_output(tmp_path / "out2", "paths.generated_dir")
+
+
+def test_a_folder_another_output_wrote_is_refused_naming_both(tmp_path, monkeypatch):
+    """The marker names the output that wrote the folder (and a report its experiment): a smoke run with
+    `paths.reports_dir=reports/cpu_full` once replaced another experiment's committed report, and any stage could
+    replace a folder any other had marked. The same output rerun still replaces its own."""
+    from pathlib import Path
+
+    from specdistill import outputs
+    from specdistill.stages.common import check_outputs
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(outputs, "_claims", {})
+
+    def write(cfg, key, folder, text):
+        check_outputs(cfg, replaced={key: Path(folder)})
+        with atomic_path(folder, is_dir=True) as tmp:
+            (tmp / "README.md").write_text(text)
+
+    full = {"experiment_name": "cpu_full", "paths": {"reports_dir": "reports/cpu_full"}}
+    write(full, "paths.reports_dir", "reports/cpu_full", "first")
+    write(full, "paths.reports_dir", "reports/cpu_full", "committed")  # its own output: replaced
+    assert "paths.reports_dir of experiment cpu_full" in (tmp_path / "reports/cpu_full" / MARKER).read_text()
+    smoke = {"experiment_name": "smoke", "paths": {"reports_dir": "reports/cpu_full"}}
+    with pytest.raises(OutputError, match=r"another output \(paths.reports_dir of experiment cpu_full\).*"
+                                          r"this run writes paths.reports_dir of experiment smoke"):
+        write(smoke, "paths.reports_dir", "reports/cpu_full", "smoke")
+    assert (tmp_path / "reports/cpu_full/README.md").read_text() == "committed"
+    # a model folder the online stage wrote is not the train stage's to replace (distill.output=online_draft)
+    write({"paths": {}}, "online.method", "models/online_draft", "online")
+    with pytest.raises(OutputError, match=r"another output \(online.method\).*writes distill.output"):
+        write({"paths": {}}, "distill.output", "models/online_draft", "train")
+    assert (tmp_path / "models/online_draft/README.md").read_text() == "online"
+    # a folder marked before owners were named is replaced as before
+    old = tmp_path / "models/old"
+    old.mkdir()
+    (old / MARKER).write_text(outputs.MARKER_TEXT)
+    write({"paths": {}}, "distill.output", "models/old", "new")
+    assert (old / "README.md").read_text() == "new"

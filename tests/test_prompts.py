@@ -244,6 +244,34 @@ def test_a_file_corrupt_in_the_middle_is_an_error_not_a_truncation():
     assert len(recover_json_array(cut).records) == 79
 
 
+def test_a_broken_record_boundary_or_a_single_object_is_an_error_not_a_truncation():
+    """Second hardening round: one byte turning the ',' between two records into ']' kept 20 of 80 records with no
+    warning; corruption followed by records with other keys was reported as a cut-off tail (51 lost under "dropped 1
+    partial record"); a single object was read from its first '['. Only a cut-off end is recovered."""
+    records = sharegpt_records(80)
+    full = json.dumps(records, indent=2)
+    boundary = full.index('"c20"')
+    boundary = full.rindex(",", 0, boundary)  # the ',' between records 19 and 20
+    with pytest.raises(PromptError, match=r"closes after record 19 .*corrupt in the middle"):
+        recover_json_array(full[:boundary] + "]" + full[boundary + 1:])
+    with pytest.raises(PromptError, match=r"after record 19, .* where ',' or '\]' goes"):
+        recover_json_array(full[:boundary] + " " + full[boundary + 1:])
+    for r in records[30:]:  # the records after the damage have other keys than the first
+        r["extra"] = 1
+    other = json.dumps(records, indent=2).replace('"c28"', '"c28" "oops"', 1)
+    with pytest.raises(PromptError, match=r"record 28 .*corrupt in the middle"):
+        recover_json_array(other)
+    with pytest.raises(PromptError, match=r"not a JSON array.*single object"):
+        recover_json_array(json.dumps({"data": records[:3]}))
+    with pytest.raises(PromptError, match=r"record 0 .*not a conversation"):
+        recover_json_array("[[1, 2]]")
+    # cut anywhere inside the last record (a string, a number, a literal, between keys): recovered, with a count
+    for cut in (full[: full.rindex('"c79"') + 3], full[: full.rindex("Second answer 79") + 5], full[:-3],
+                json.dumps(records[:2])[:-1] + ', {"id": "x", "ok": tr'):
+        rec = recover_json_array(cut)
+        assert rec.dropped_records == 1 and len(rec.records) in (79, 2), cut[-30:]
+
+
 def test_bad_prompt_files_name_the_file_and_the_fix(tmp_path, tiny_assets, tiny_target_dir):
     cases = {
         "sharegpt/sg.json": (b'[{"id": "x\xff\xfe", "conversations": []}]', r"sg.json is not UTF-8 text"),

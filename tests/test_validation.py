@@ -28,7 +28,6 @@ CASES = [  # item 2: typos that once wiped shards or last.ckpt; item 3: out-of-r
     ("generate", "generate.batch_size=2.5", "generate.batch_size"),
     ("generate", "generate.temperature=-1.0", "generate.temperature"),
     ("generate", "generate.top_k=-3", "generate.top_k"),
-    ("train", "methods.draft.optimizer.lr=fast", "methods.draft.optimizer"),
     ("evaluate", "eval.top_p=0", "eval.top_p"),
     ("evaluate", "eval.top_p=1.5", "eval.top_p"),
     ("evaluate", "eval.k=0", "eval.k"),
@@ -36,6 +35,7 @@ CASES = [  # item 2: typos that once wiped shards or last.ckpt; item 3: out-of-r
     ("evaluate", "eval.k=two", "eval.k"),
     ("evaluate", "eval.temperatures=[-0.5]", "eval.temperatures"),
     ("evaluate", "eval.num_prompts=0", "eval.num_prompts"),
+    ("evaluate", "eval.capacity=64 eval.max_new_tokens=200", "eval.capacity"),  # once a RuntimeError mid-run
     ("train", "methods.medusa.num_heads=four", "methods.medusa.num_heads"),
     # item 3 again, for the sections the first pass left out: every numeric key has its range
     ("train", "distill.data.batch_size=0", "distill.data.batch_size"),
@@ -49,15 +49,26 @@ CASES = [  # item 2: typos that once wiped shards or last.ckpt; item 3: out-of-r
     ("online", "online.lr=-1e-4", "online.lr"),
     ("features", "features.topk=0", "features.topk"),
     ("prepare", "data.val_fraction=1.5", "data.val_fraction"),
+    # second round: a Lightning key once deleted last.ckpt and the step checkpoints, then failed naming no key;
+    # others ran and overwrote results, or failed naming another key or only the section
+    ("train", "trainer.val_check_interval=0", "trainer.val_check_interval"),
+    ("train", "trainer.max_steps=many", "trainer.max_steps"),
+    ("train", "trainer.max_steps=-5", "trainer.max_steps"),
+    ("train", "+methods.draft.trainer.max_steps=-5", "methods.draft.trainer.max_steps"),
+    ("train", "trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),
+    ("train", "methods.draft.optimizer.lr=fast", "methods.draft.optimizer.lr"),
+    ("train", "methods.draft.optimizer.lr=0", "methods.draft.optimizer.lr"),
+    ("train", "distill.scheduler.num_warmup_steps=-5", "distill.scheduler.num_warmup_steps"),
+    ("train", "methods.draft.vocab_size=1", "methods.draft.vocab_size"),
 ]
 
 
 @pytest.mark.parametrize("stage,override,key", CASES, ids=[c[1] for c in CASES])
 def test_a_bad_value_fails_at_start_and_keeps_earlier_outputs(earlier_outputs, stage, override, key):
     before = snapshot(earlier_outputs)
-    method = key.split(".")[1] if key.startswith("methods.") else "draft"
+    method = key.split(".")[1] if key.startswith("methods.") else "draft"  # the key, not the override's `+`
     extra = [f"method={method}"] if stage == "train" else []
-    cfg = composed(earlier_outputs, override, *extra)
+    cfg = composed(earlier_outputs, *override.split(), *extra)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         stage_run(stage)(cfg)
     assert snapshot(earlier_outputs) == before

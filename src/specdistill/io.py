@@ -106,7 +106,7 @@ def atomic_path(final: str | Path, is_dir: bool = False) -> Iterator[Path]:
         # give it under the user's umask, so the group can read metrics and reports on a shared cluster
         tmp.chmod((0o777 if is_dir else 0o666) & ~UMASK)
         if is_dir:
-            mark(tmp)
+            mark(tmp, final)
         yield tmp
         if is_dir:  # what a library wrote inside (safetensors: 0600) gets the umask's mode too: a server under
             for f in tmp.rglob("*"):  # another user must read an export

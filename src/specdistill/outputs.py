@@ -21,13 +21,16 @@ import fcntl
 import hashlib
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-MARKER = ".specdistill-output"  # in every folder a stage replaces whole; its content never changes (stable DVC hash)
-MARKER_TEXT = "written by specdistill: the stage that wrote this folder replaces it whole on its next run\n"
+MARKER = ".specdistill-output"  # in every folder a stage replaces whole; its text names who wrote it (stable: DVC hash)
+MARKER_TEXT = "written by specdistill: the stage that wrote this folder replaces it whole on its next run\n"  # before
+# owners were named; still replaceable by any stage (the paths checks still keep one stage off another's folders)
+MAX_NAME = 100  # names become file names with prefixes and suffixes (`train_<name>.json`, `<name>.lock`)
 _PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=,@-]*")
 # paths.* keys that are not output folders a stage fills: W&B writes its own `wandb/` below wandb_dir
 _NOT_OUTPUTS = {"wandb_dir"}
@@ -41,6 +44,9 @@ class OutputError(ValueError):
 
 def plain_name(value: Any, key: str) -> str:
     """`value` as one path component, or an error that names the key, the value and the rule."""
+    if isinstance(value, str) and len(value) > MAX_NAME:  # a file system's limit (255 bytes) with room to spare
+        raise OutputError(f"`{key}=` a name of {len(value)} characters: it names a folder or file, so it must be a "
+                          f"plain name of at most {MAX_NAME} characters (e.g. `{key}=my_run`)")
     if not isinstance(value, str) or not _PLAIN.fullmatch(value):
         raise OutputError(f"`{key}={value}`: it names a folder or file, so it must be a plain name: letters, digits "
                           f"and _ . + = , @ -, starting with a letter or digit, no '/' and not '.' or '..' "
@@ -75,12 +81,51 @@ def check_paths(paths: Mapping[str, Any], root: str | Path | None = None) -> Non
                 raise OutputError(f"`paths.{key}={paths[key]}` contains `paths.{other}={paths[other]}`: the stage that "
                                   f"writes paths.{key} replaces it whole and would delete the other. Give each its own "
                                   f"folder (e.g. `paths.{key}={_default_hint(key)}`)")
+    # every other pair too: a stage derives folders inside its own (plots/<eval.name>, models/<distill.output>)
+    # and replaces them whole, so one folder inside another lets an item's name reach the other's contents
+    # (`paths.plots_dir=models` replaced the draft it had just measured with its plots)
+    for key, p in resolved.items():
+        for other, q in resolved.items():
+            if other != key and _inside(q, p) and (p != q or key < other):
+                how = "is also" if p == q else "contains"
+                raise OutputError(f"`paths.{key}={paths[key]}` {how} `paths.{other}={paths[other]}`: the stages "
+                                  f"name folders inside each, so one could replace what another wrote. Give each "
+                                  f"its own folder (e.g. `paths.{key}={_default_hint(key)}`)")
 
 
 def _default_hint(key: str) -> str:
     return {"generated_dir": "data/generated", "features_dir": "data/features", "reports_dir": "reports/default",
             "prompts_dir": "data/prompts", "assets_dir": "data/assets", "metrics_dir": "metrics",
             "plots_dir": "plots", "models_dir": "models", "checkpoints_dir": "checkpoints"}.get(key, "data/" + key)
+
+
+def owner_text(key: str, experiment: str | None = None) -> str:
+    """The marker's text for a folder the output `key` names (`distill.output`, `eval.name`, `paths.reports_dir`):
+    the same on every rerun of that item, another for any other key, and for a report another experiment's."""
+    who = key + (f" of experiment {experiment}" if experiment else "")
+    return f"written by specdistill ({who}): only that output replaces it whole on its next run\n"
+
+
+_claims: dict[Path, str] = {}  # folder -> the marker text of the output this process will write there
+
+
+def claim(folder: str | Path, text: str) -> None:
+    """Say which output this process writes to `folder`: the marker it gets (`mark`), and the owner a folder
+    already there must have for the stage to replace it (`check_replaceable`)."""
+    _claims[Path(folder).resolve()] = text
+
+
+def claimed(folder: str | Path) -> str | None:
+    return _claims.get(Path(folder).resolve())
+
+
+def _owner(folder: Path) -> str | None:
+    """The `key` of a named marker (`owner_text`), or None for an old one or none."""
+    try:
+        text = (folder / MARKER).read_text()
+    except OSError:
+        return None
+    return text.split("(", 1)[1].split(")", 1)[0] if text.startswith("written by specdistill (") else None
 
 
 def is_ours(folder: str | Path, markers: Iterable[str] = (MARKER,)) -> bool:
@@ -107,7 +152,17 @@ def check_replaceable(folder: str | Path, key: str, markers: Iterable[str] = (MA
             raise OutputError(f"the output folder {folder} (from `{key}`) exists and was not written by this stage "
                               f"(no {' or '.join(markers)} in it), so it will not be replaced: choose another `{key}`, "
                               f"or move or delete {folder} yourself if it is an old output")
+        owner, mine = _owner(folder), claimed(folder)
+        if owner is not None and mine is not None and mine != owner_text(*_split_owner(owner)):
+            raise OutputError(f"the output folder {folder} (from `{key}`) was written by another output ({owner}), "
+                              f"and this run writes {mine.split('(', 1)[1].split(')', 1)[0]}: it will not be "
+                              f"replaced. Choose another `{key}`, or move or delete {folder} yourself")
     return folder
+
+
+def _split_owner(owner: str) -> tuple[str, str | None]:
+    key, _, experiment = owner.partition(" of experiment ")
+    return key, experiment or None
 
 
 def check_files(files: Mapping[str, str | Path]) -> None:
@@ -145,11 +200,19 @@ def lock_output(path: str | Path, key: str) -> None:
     if not is_rank_zero():
         return
     path = Path(path).resolve()
-    lock = Path(tempfile.gettempdir()) / "specdistill-locks" / f"{hashlib.sha1(str(path).encode()).hexdigest()}.lock"
+    lock = lock_folder() / f"{hashlib.sha1(str(path).encode()).hexdigest()}.lock"
     if lock in _held:
         return
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    # O_NOFOLLOW: a link planted under the lock's name is refused, never followed and truncated
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise OutputError(f"cannot open the lock file {lock} for {path} (from `{key}`): {e.strerror}. It should be a "
+                          f"plain file of yours; remove it (a run holds no lock it could not open)") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        os.close(fd)
+        raise OutputError(f"the lock file {lock} for {path} (from `{key}`) is not a plain file of yours: remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -162,6 +225,23 @@ def lock_output(path: str | Path, key: str) -> None:
     _held[lock] = fd
 
 
-def mark(folder: str | Path) -> None:
-    """Write the marker that lets the stage replace this folder on its next run."""
-    (Path(folder) / MARKER).write_text(MARKER_TEXT)
+def lock_folder() -> Path:
+    """This user's lock folder in the machine's temporary folder, made 0700: a folder shared by every user (0755,
+    made by whoever came first) left the others unable to lock at all, and let them plant links in it. Refused
+    when it is not a folder of this user's that only they can write."""
+    folder = Path(tempfile.gettempdir()) / f"specdistill-locks-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise OutputError(f"the lock folder {folder} is not a folder of yours that only you can write (a link, "
+                          f"another user's, or open to others): remove it, or set TMPDIR to a folder of your own")
+    return folder
+
+
+def mark(folder: str | Path, final: str | Path | None = None) -> None:
+    """Write the marker that lets the output that claimed `final` (else any stage) replace this folder on its
+    next run."""
+    (Path(folder) / MARKER).write_text((claimed(final) if final is not None else None) or MARKER_TEXT)

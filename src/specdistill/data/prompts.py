@@ -87,49 +87,70 @@ class Recovery:
 def recover_json_array(text: str) -> Recovery:
     """Parse a JSON array record by record, keeping every complete record of a truncated file.
 
-    A file cut off inside its last record is what an interrupted download leaves, and its complete records
-    are kept. A record that fails to parse with more records after it is corruption, not truncation: that is
-    an error naming the record and the byte, since keeping what came before would silently drop the rest.
+    A file cut off inside its last record is what an interrupted download leaves: the decoder runs out of text
+    inside that record, and the complete records before it are kept. Anything else is an error naming the record
+    and the byte: a record that fails to parse before the end of the text, a record boundary broken (`]` where
+    `,` goes, text after the closing `]`), or a document that is not an array. Keeping what came before any of
+    those would silently drop the rest of the file.
     """
-    start = text.find("[")
-    if start < 0:
-        raise PromptError("not a JSON array: no '[' found")
-    decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
+    body = text.lstrip("\ufeff \t\r\n")
+    if not body.startswith("["):
+        what = f"it starts with {body[:1]!r}" + (" (a single object?)" if body.startswith("{") else "") if body \
+            else "it is empty"
+        raise PromptError(f"not a JSON array of conversations: {what}. ShareGPT files are one array of records")
+    decoder, space = json.JSONDecoder(), re.compile(r"\s*")
     records: list[dict[str, Any]] = []
-    pos = start + 1
+    pos = len(text) - len(body) + 1
+
+    def at(i: int) -> str:
+        return f"byte {len(text[:i].encode())}"
+
     while True:
-        pos = sep.match(text, pos).end()
-        if pos >= len(text) or text[pos] == "]":
+        pos = space.match(text, pos).end()
+        if pos >= len(text):  # cut off between records: every record read is whole
             return Recovery(records, dropped_bytes=0, dropped_records=0)
+        if text[pos] == "]":
+            rest = space.match(text, pos + 1).end()
+            if rest < len(text):
+                raise PromptError(f"the array closes after record {len(records) - 1} ({at(pos)}) but the text goes on "
+                                  f"({at(rest)}): the file is corrupt in the middle, not cut off at its end (a "
+                                  f"damaged ',' between records?). Fetch it again or repair it there")
+            return Recovery(records, dropped_bytes=0, dropped_records=0)
+        if records:  # between two records: exactly one ','
+            if text[pos] != ",":
+                raise PromptError(f"after record {len(records) - 1}, {at(pos)} holds {text[pos]!r} where ',' or ']' "
+                                  f"goes: the file is corrupt in the middle. Fetch it again or repair it there")
+            pos = space.match(text, pos + 1).end()
+            if pos >= len(text):
+                return Recovery(records, dropped_bytes=0, dropped_records=0)
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
-            later = _next_record(text, pos, decoder,
-                                 set(records[0]) if records and isinstance(records[0], dict) else None)
-            if later is not None:
+            if not _ran_out(text, err):
                 raise PromptError(
-                    f"record {len(records)} (byte {len(text[:pos].encode())}) is not valid JSON ({err.msg}), and "
-                    f"complete records follow it (one at byte {len(text[:later].encode())}): the file is corrupt in "
-                    "the middle, not cut off at its end. Fetch it again or repair that record") from None
+                    f"record {len(records)} ({at(pos)}) is not valid JSON ({err.msg} at {at(err.pos)}) before the "
+                    f"end of the file: the file is corrupt in the middle, not cut off at its end. Fetch it again or "
+                    f"repair that record") from None
             return Recovery(records, dropped_bytes=len(text.encode()) - len(text[:pos].encode()), dropped_records=1)
+        if not isinstance(obj, dict):
+            raise PromptError(f"record {len(records)} ({at(pos)}) is a {type(obj).__name__}, not a conversation "
+                              f"object: the file is not a ShareGPT array")
         records.append(obj)
 
 
-def _next_record(text: str, pos: int, decoder: json.JSONDecoder, keys: set[str] | None) -> int | None:
-    """Where a later top-level record starts after a failed one: an object with the first record's keys
-    (a nested object, such as one turn of the broken record, has other keys), followed by ',' or ']'."""
-    start = text.find("{", pos + 1)
-    while start >= 0:
-        try:
-            obj, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            pass
-        else:
-            follows = text[end:].lstrip()[:1]
-            if isinstance(obj, dict) and follows in (",", "]") and (keys is None or set(obj) == keys):
-                return start
-        start = text.find("{", start + 1)
-    return None
+def _ran_out(text: str, err: json.JSONDecodeError) -> bool:
+    """Whether the decoder failed only because the text ended: at its last character, inside a string that never
+    closes, or inside a literal (`tr` of `true`) that the end cut."""
+    if space_only(text[err.pos:]):
+        return True
+    if err.msg.startswith("Unterminated string"):
+        return True
+    word = text[err.pos:].rstrip()
+    return any(lit.startswith(word) for lit in ("true", "false", "null"))
+
+
+def space_only(s: str) -> bool:
+    return not s.strip()
 
 
 def _normalise(turns: Iterable[tuple[str, str]]) -> list[dict[str, str]]:

@@ -21,6 +21,7 @@ class DraftMethodConfig(MethodConfigBase):
     init: str = "from_target"
     vocab_size: int | None = 8192
     freeze_embeddings: bool = True  # keep the target's input embeddings (init from the target; untied head)
+    RANGES: ClassVar[dict[str, str]] = {"vocab_size": "[2, inf)"}  # as the heads': one token drafts nothing to learn
 
 
 def check(mcfg: DraftMethodConfig) -> None:

@@ -7,7 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.errors import ConfigError  # noqa: F401 (re-exported: stages raise it)
-from specdistill.outputs import MARKER, check_files, check_paths, check_replaceable, lock_output, plain_name
+from specdistill.outputs import (
+    MARKER,
+    check_files,
+    check_paths,
+    check_replaceable,
+    claim,
+    lock_output,
+    owner_text,
+    plain_name,
+)
 
 
 def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
@@ -25,7 +34,9 @@ def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
     for key, value in (names or {}).items():
         plain_name(value, key)
     check_paths(cfg.get("paths") or {})
-    for key, folder in (replaced or {}).items():
+    experiment = cfg.get("experiment_name", "default")
+    for key, folder in (replaced or {}).items():  # the marker names the output, and a report its experiment too
+        claim(folder, owner_text(key, experiment if key == "paths.reports_dir" else None))
         check_replaceable(folder, key, (MARKER,))
     for key, folder in (fingerprinted or {}).items():
         check_replaceable(folder, key, ("FINGERPRINT",))
@@ -36,9 +47,18 @@ def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
         lock_output(path, key)  # held to the end of the run: a second run on the same output is refused
 
 
+def check_globals(cfg: dict[str, Any]) -> None:
+    """The top-level keys the sections interpolate (`generate.seed: ${seed}`), checked under their own name: a bad
+    `seed=abc` was reported as the first section's key that read it."""
+    seed = cfg.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"`seed={seed!r}`: must be an integer >= 0 (every stage's seed is `${{seed}}`)")
+
+
 def cross_limits(cfg: dict[str, Any]) -> None:
     """Limits that span two sections, checked on the whole config before any model loads (and by
     `pipelines/compose.py` when it writes params.yaml): a stage that needs more prompts than `prepare` keeps."""
+    check_globals(cfg)
     data, online = cfg.get("data") or {}, cfg.get("online") or {}
     if online:
         key = {"code": "num_humaneval", "chat": "num_val"}.get(online.get("scenario"))

@@ -79,6 +79,11 @@ class EvalConfig:
                                   "that drafts deterministic trees from nothing trained)")
         if self.split not in SPLITS:
             raise ConfigError(f"eval.split={self.split!r}: use one of {SPLITS}")
+        if self.capacity <= self.max_new_tokens + 64:  # the answer, a draft of up to 64 positions, and a prompt
+            raise ConfigError(f"`eval.capacity={self.capacity}` cannot hold "
+                              f"`eval.max_new_tokens={self.max_new_tokens}` with a prompt and a draft: raise "
+                              f"eval.capacity above max_new_tokens + 64 (the default 4096 holds any benchmark "
+                              f"prompt), or lower eval.max_new_tokens")
         check_eval_sets(self.datasets, "eval.datasets")
         if isinstance(self.depth, str) and self.depth != "auto":
             raise ConfigError(f"eval.depth={self.depth!r}: a depth (0 = plain AR), auto, or null (the method's own)")

@@ -144,6 +144,8 @@ def check(cfg: dict[str, Any], job: Job | None) -> Checked:
     optimizer = build_optimizer(dist.optimizer, f"methods.{key}.optimizer")
     scheduler = build_optimizer(dist.scheduler, "distill.scheduler", probe=False) if dist.scheduler else None
     trainer_kwargs = {**dict(cfg["trainer"]), **(mcfg.trainer or {})}  # methods.<m>.trainer wins (every method has one)
+    check_trainer(dict(cfg["trainer"]), "trainer")
+    check_trainer(dict(mcfg.trainer or {}), f"methods.{key}.trainer")
     if trainer_kwargs.get("precision") == "auto":  # resolved here, so the record and the stamp name what ran
         trainer_kwargs["precision"] = auto_precision(str(trainer_kwargs.get("accelerator", "auto")))
     label = method.label(mcfg, size) if method.label else method.name
@@ -156,6 +158,44 @@ def check(cfg: dict[str, Any], job: Job | None) -> Checked:
                   files={"paths.metrics_dir": metrics_files(plan.metrics_file)})
     return Checked(cfg, key, method, mcfg, size, lcfg, dist, dcfg, tcfg, loss, optimizer, scheduler, trainer_kwargs,
                    plan)
+
+
+# Lightning's keys whose wrong value fails only inside `fit`, after the checkpoint folder of the previous
+# configuration was replaced (`val_check_interval=0`: a bare ZeroDivisionError), or fails naming no key:
+# (what it must be, the test). Keys not listed are Lightning's to check when the Trainer is built.
+_TRAINER_KEYS: dict[str, tuple[str, Any]] = {
+    "max_steps": ("an integer >= -1 (-1: no limit; 0: validate only)", lambda v: _int(v) and v >= -1),
+    "max_epochs": ("null or an integer >= -1", lambda v: v is None or _int(v) and v >= -1),
+    "val_check_interval": ("an integer >= 1 (steps) or a fraction of an epoch in (0, 1]",
+                           lambda v: v is None or _int(v) and v >= 1 or _num(v) and 0 < v <= 1),
+    "check_val_every_n_epoch": ("null or an integer >= 1", lambda v: v is None or _int(v) and v >= 1),
+    "limit_val_batches": ("an integer >= 0 (batches) or a fraction in [0, 1]",
+                          lambda v: _int(v) and v >= 0 or _num(v) and 0 <= v <= 1),
+    "limit_train_batches": ("an integer >= 1 (batches) or a fraction in (0, 1]",
+                            lambda v: _int(v) and v >= 1 or _num(v) and 0 < v <= 1),
+    "log_every_n_steps": ("an integer >= 1", lambda v: _int(v) and v >= 1),
+    "accumulate_grad_batches": ("an integer >= 1", lambda v: _int(v) and v >= 1),
+    "gradient_clip_val": ("null or a number >= 0", lambda v: v is None or _num(v) and v >= 0),
+    "num_sanity_val_steps": ("an integer >= -1", lambda v: _int(v) and v >= -1),
+    "fast_dev_run": ("true, false or an integer >= 0", lambda v: isinstance(v, bool) or _int(v) and v >= 0),
+    "devices": ("an integer >= 1, a list of device ids, or auto",
+                lambda v: _int(v) and v >= 1 or isinstance(v, list | str) and v not in ("", [])),
+}
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def check_trainer(trainer: dict[str, Any], where: str) -> None:
+    """The trainer keys that Lightning checks late, checked at start, the key, value and range named."""
+    for key, value in trainer.items():
+        if key in _TRAINER_KEYS and not _TRAINER_KEYS[key][1](value):
+            raise ConfigError(f"`{where}.{key}={value!r}`: must be {_TRAINER_KEYS[key][0]}")
 
 
 def method_sections(cfg: dict[str, Any], key: str) -> tuple[Any, Any, Any, LossConfig, dict[str, Any]]:

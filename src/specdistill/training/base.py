@@ -26,6 +26,12 @@ from specdistill.training.metrics import AcceptanceMetric
 TEACHERS = ("live", "stored", "precomputed")  # precomputed: the features stage's store (EAGLE)
 
 
+# optimizer and scheduler arguments a wrong value of which some factories accept silently (a negative warm-up
+# trained with a learning rate above its peak) or reject without naming the argument
+_POSITIVE = {"lr"}
+_NON_NEGATIVE = {"weight_decay", "eps", "momentum", "num_warmup_steps", "num_training_steps", "num_cycles"}
+
+
 def build_optimizer(spec: dict[str, Any], key: str, probe: bool = True) -> Callable[..., Any]:
     """A `_target_` / `_partial_` config (conf/optimizer/, distill.scheduler) as the factory Lightning's
     `configure_optimizers` calls. An optimizer (`probe`) is built once on a dummy parameter now, so a bad value
@@ -34,6 +40,13 @@ def build_optimizer(spec: dict[str, Any], key: str, probe: bool = True) -> Calla
 
     from specdistill.errors import ConfigError
 
+    for arg, value in spec.items():  # each argument named: `lr=fast` once named only its section
+        if arg.startswith("_"):
+            continue
+        if arg in _POSITIVE | _NON_NEGATIVE and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ConfigError(f"`{key}.{arg}={value!r}`: must be a number")
+        if arg in _POSITIVE and value <= 0 or arg in _NON_NEGATIVE and value < 0:
+            raise ConfigError(f"`{key}.{arg}={value!r}`: must be {'> 0' if arg in _POSITIVE else '>= 0'}")
     try:
         factory = hydra.utils.instantiate(spec)
     except Exception as e:  # Hydra wraps an unknown _target_ or a bad argument in its own errors
