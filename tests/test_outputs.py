@@ -182,6 +182,21 @@ def test_the_lock_folder_is_the_users_own(tmp_path, monkeypatch):
         outputs.lock_output(tmp_path / "out2", "paths.generated_dir")
 
 
+def test_a_run_of_another_experiment_keeps_a_committed_report(checkout):
+    """A smoke run with `paths.reports_dir=reports/cpu_full` once replaced that experiment's committed report: the
+    real report stage, in a copy of the checkout, is refused and every file stays byte-identical."""
+    import shutil
+
+    from .helpers.project import ROOT
+
+    shutil.copytree(ROOT / "reports/cpu_full", checkout / "reports/cpu_full")  # as committed, its marker too
+    before = snapshot(checkout)
+    cfg = composed(checkout, "experiment=smoke", "paths.reports_dir=reports/cpu_full")
+    with pytest.raises(OutputError, match=r"reports/cpu_full .*experiment cpu_full.*experiment smoke"):
+        stage_run("report")(cfg)
+    assert snapshot(checkout) == before
+
+
 def test_a_folder_another_output_wrote_is_refused_naming_both(tmp_path, monkeypatch):
     """The marker names the output that wrote the folder (and a report its experiment): a smoke run with
     `paths.reports_dir=reports/cpu_full` once replaced another experiment's committed report, and any stage could

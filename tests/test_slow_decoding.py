@@ -24,7 +24,7 @@ def test_greedy_speculative_equals_hf_generate_on_mtbench(branching):
     t = load_target({"name_or_path": str(ROOT / "data/assets/target"),
                      "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"})
     questions = [json.loads(line)["turns"][0] for line in
-                 (ROOT / "data/assets/mtbench/question.jsonl").read_text().splitlines()[:5]]
+                 (ROOT / "data/assets/mtbench/question.jsonl").read_text().splitlines()[:3]]
     draft = draft_from_target(t.model, 6)
     verifier, proposer = TargetVerifier(t.model, 1024), DraftLMProposer(draft, k=4, branching=branching)
     eos = t.tokenizer.eos_token_id

@@ -62,5 +62,7 @@ def effect_size(draws, probs) -> float:
     live = probs > 0
     counts = np.bincount(draws, minlength=len(probs)).astype(float)
     n, expected = len(draws), probs / probs.sum() * len(draws)
-    stat = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum()) + (counts[~live].sum() > 0) * np.inf
+    if counts[~live].sum() > 0:  # an impossible token drawn: as far as a law can be
+        return float("inf")
+    stat = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
     return float(np.sqrt(max(stat - (live.sum() - 1), 0.0) / n))
