@@ -34,6 +34,7 @@ DELETING = [  # (stage, overrides, the key the error must name): each of these o
     ("evaluate", ["paths.plots_dir=data/prompts", "eval.name=train"], "paths.plots_dir"),
     ("train", ["method=draft", "paths.models_dir=data/prompts", "distill.output=train"], "paths.models_dir"),
     ("evaluate", ["paths.metrics_dir=models/draft", "eval.name=config"], "paths.models_dir"),  # its config.json
+    ("evaluate", ["eval.name=" + "x" * 300], "eval.name"),  # once a raw `OSError: File name too long`
     ("online", ["paths.models_dir=/"], "paths.models_dir"),
 ]
 
@@ -234,3 +235,24 @@ def test_a_folder_another_output_wrote_is_refused_naming_both(tmp_path, monkeypa
     (old / MARKER).write_text(outputs.MARKER_TEXT)
     write({"paths": {}}, "distill.output", "models/old", "new")
     assert (old / "README.md").read_text() == "new"
+
+
+INPUT_IN_AN_OUTPUT = [  # a derived output folder over what the same run reads: measured, then replaced
+    ("evaluate", ["decode.draft.path=plots/default/draft"], "decode.draft.path"),
+    ("online", ["online.method=draft", "online.draft_path=models/online_draft"], "online.draft_path"),
+    ("train", ["method=draft", "methods.draft.init_from=models/draft"], "methods.draft.init_from"),
+]
+
+
+@pytest.mark.parametrize("stage,overrides,key", INPUT_IN_AN_OUTPUT, ids=[" ".join(o) for _, o, _ in INPUT_IN_AN_OUTPUT])
+def test_a_stage_never_replaces_what_it_reads(checkout, stage, overrides, key):
+    from specdistill import outputs
+
+    for folder in ("models/draft", "models/online_draft", "plots/default/draft"):
+        (checkout / folder).mkdir(parents=True, exist_ok=True)
+        (checkout / folder / MARKER).write_text(outputs.MARKER_TEXT)  # any stage's: the inputs check refuses
+        (checkout / folder / "config.json").write_text("{}")
+    before = snapshot(checkout)
+    with pytest.raises(OutputError, match=rf"replace what it reads.*`{key}`|`{key}=.*reads"):
+        stage_run(stage)(composed(checkout, *overrides))
+    assert snapshot(checkout) == before

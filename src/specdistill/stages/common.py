@@ -9,6 +9,7 @@ from typing import Any
 from specdistill.errors import ConfigError  # noqa: F401 (re-exported: stages raise it)
 from specdistill.outputs import (
     MARKER,
+    OutputError,
     check_files,
     check_paths,
     check_replaceable,
@@ -21,7 +22,8 @@ from specdistill.outputs import (
 
 def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
                   replaced: dict[str, Path] | None = None, fingerprinted: dict[str, Path] | None = None,
-                  files: dict[str, Path | list[Path]] | None = None, locked: dict[str, Path] | None = None) -> None:
+                  files: dict[str, Path | list[Path]] | None = None, locked: dict[str, Path] | None = None,
+                  inputs: dict[str, str | Path | None] | None = None) -> None:
     """At a stage's start, before any model loads: the names that become paths are plain names, no `paths.*`
     folder is the project or above it, and every folder the stage will replace whole is one a stage wrote
     (`replaced`: the marker of `io.atomic_path`; `fingerprinted`: a resumable output's FINGERPRINT).
@@ -29,11 +31,22 @@ def check_outputs(cfg: dict[str, Any], names: dict[str, Any] | None = None,
     their folder goes).
     Every output named (and `locked`: outputs a stage only adds to) is then locked for the rest of the run
     (`outputs.lock_output`).
+    `inputs`: what the stage reads besides `paths.*` (a draft's folder): no folder it replaces holds one or lies in one.
     Keys are the config keys to name in the error."""
     plain_name(cfg.get("experiment_name", "default"), "experiment_name")
     for key, value in (names or {}).items():
         plain_name(value, key)
     check_paths(cfg.get("paths") or {})
+    for key, folder in [*(replaced or {}).items(), *(fingerprinted or {}).items()]:
+        out = Path(folder).resolve()
+        for source, read in (inputs or {}).items():
+            if read is None:
+                continue
+            src = Path(read).resolve()
+            if out == src or out in src.parents or src in out.parents:
+                where = "is" if out == src else "holds" if out in src.parents else "lies inside"
+                raise OutputError(f"the output folder {folder} (from `{key}`) {where} what `{source}={read}` reads: "
+                                  f"the stage would replace what it reads. Choose another `{key}` or `{source}`")
     experiment = cfg.get("experiment_name", "default")
     for key, folder in (replaced or {}).items():  # the marker names the output, and a report its experiment too
         claim(folder, owner_text(key, experiment if key == "paths.reports_dir" else None))

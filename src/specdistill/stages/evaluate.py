@@ -116,9 +116,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     tcfg = section(TargetConfig, dict(cfg["target"]), "target")
     name = ecfg.name or ecfg.method
     metrics_file = Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"
+    reads = {f"decode.{ecfg.method}.path": getattr(dec, "path", None),
+             **{f"decode.{n}.path": getattr(d, "path", None) for n, d in companions.items()},
+             **{f"evals.{r}.decode.path": getattr(rd, "path", None) for r, (_, rd) in rivals.items()}}
     check_outputs(cfg, names={"eval.name": name},
                   replaced={"eval.name": Path((cfg.get("paths") or {}).get("plots_dir", "plots")) / name},
-                  files={"eval.name": metrics_files(metrics_file)})
+                  files={"eval.name": metrics_files(metrics_file)}, inputs=reads)
     # the prompts first: a missing split or an overlapping dev set fails before the target loads
     data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
             for name in ecfg.datasets}

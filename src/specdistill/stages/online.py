@@ -98,7 +98,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                   replaced={"online.method": models_dir / f"online_{ocfg.method}",
                             "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"},
                   files={"online.method": metrics_files(Path(cfg["paths"].get("metrics_dir", "metrics"))
-                                                        / f"online_{ocfg.method}.json")})
+                                                        / f"online_{ocfg.method}.json")},
+                  inputs={"online.draft_path": ocfg.draft_path or str(models_dir / ocfg.method)})
     path = ocfg.draft_path or str(models_dir / ocfg.method)
     if not Path(path).exists():
         raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` "

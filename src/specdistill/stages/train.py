@@ -155,7 +155,8 @@ def check(cfg: dict[str, Any], job: Job | None) -> Checked:
     check_outputs(cfg, replaced={"distill.output": plan.model_dir,
                                  **({"paths.plots_dir": plan.plots_dir} if plan.plots_dir else {})},
                   fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir},
-                  files={"paths.metrics_dir": metrics_files(plan.metrics_file)})
+                  files={"paths.metrics_dir": metrics_files(plan.metrics_file)},
+                  inputs={f"methods.{key}.init_from": mcfg.init_from})
     return Checked(cfg, key, method, mcfg, size, lcfg, dist, dcfg, tcfg, loss, optimizer, scheduler, trainer_kwargs,
                    plan)
 
