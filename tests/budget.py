@@ -55,7 +55,8 @@ def main(argv: list[str]) -> int:
     print(f"| {'part':<10} | {'minutes':>7} | result |\n|{'-' * 12}|{'-' * 9}|--------|")
     for part, minutes, result in rows:
         print(f"| {part:<10} | {minutes:7.1f} | {result} |")
-    print(f"| {'total':<10} | {total:7.1f} | budget {BUDGET_MIN[kind]:.0f} min ({kind}) |")
+    budget = "the heavier tier: no budget" if "--full" in extra else f"budget {BUDGET_MIN[kind]:.0f} min ({kind})"
+    print(f"| {'total':<10} | {total:7.1f} | {budget} |")
     return status
 
 
