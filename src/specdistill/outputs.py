@@ -119,13 +119,9 @@ def claimed(folder: str | Path) -> str | None:
     return _claims.get(Path(folder).resolve())
 
 
-def _owner(folder: Path) -> str | None:
-    """The `key` of a named marker (`owner_text`), or None for an old one or none."""
-    try:
-        text = (folder / MARKER).read_text()
-    except OSError:
-        return None
-    return text.split("(", 1)[1].split(")", 1)[0] if text.startswith("written by specdistill (") else None
+def _who(text: str) -> str:
+    """The output an `owner_text` names (a marker of another form: its text)."""
+    return text.split("(", 1)[1].split(")", 1)[0] if "(" in text else text.strip()[:80]
 
 
 def is_ours(folder: str | Path, markers: Iterable[str] = (MARKER,)) -> bool:
@@ -152,17 +148,14 @@ def check_replaceable(folder: str | Path, key: str, markers: Iterable[str] = (MA
             raise OutputError(f"the output folder {folder} (from `{key}`) exists and was not written by this stage "
                               f"(no {' or '.join(markers)} in it), so it will not be replaced: choose another `{key}`, "
                               f"or move or delete {folder} yourself if it is an old output")
-        owner, mine = _owner(folder), claimed(folder)
-        if owner is not None and mine is not None and mine != owner_text(*_split_owner(owner)):
-            raise OutputError(f"the output folder {folder} (from `{key}`) was written by another output ({owner}), "
-                              f"and this run writes {mine.split('(', 1)[1].split(')', 1)[0]}: it will not be "
-                              f"replaced. Choose another `{key}`, or move or delete {folder} yourself")
+        mine = claimed(folder)
+        theirs = (folder / MARKER).read_text() if (folder / MARKER).is_file() else None
+        # an old marker (MARKER_TEXT) names no output: any stage's, as before
+        if mine is not None and theirs not in (None, MARKER_TEXT, mine):
+            raise OutputError(f"the output folder {folder} (from `{key}`) was written by another output "
+                              f"({_who(theirs)}), and this run writes {_who(mine)}: it will not be replaced. Choose "
+                              f"another `{key}`, or move or delete {folder} yourself")
     return folder
-
-
-def _split_owner(owner: str) -> tuple[str, str | None]:
-    key, _, experiment = owner.partition(" of experiment ")
-    return key, experiment or None
 
 
 def check_files(files: Mapping[str, str | Path]) -> None:

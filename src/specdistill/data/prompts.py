@@ -141,16 +141,12 @@ def recover_json_array(text: str) -> Recovery:
 def _ran_out(text: str, err: json.JSONDecodeError) -> bool:
     """Whether the decoder failed only because the text ended: at its last character, inside a string that never
     closes, or inside a literal (`tr` of `true`) that the end cut."""
-    if space_only(text[err.pos:]):
+    if not text[err.pos:].strip():
         return True
     if err.msg.startswith("Unterminated string"):
         return True
     word = text[err.pos:].rstrip()
     return any(lit.startswith(word) for lit in ("true", "false", "null"))
-
-
-def space_only(s: str) -> bool:
-    return not s.strip()
 
 
 def _normalise(turns: Iterable[tuple[str, str]]) -> list[dict[str, str]]:
