@@ -24,10 +24,10 @@ from _common import target_config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from specdistill.decoding.proposers import DraftLMProposer  # noqa: E402
-from specdistill.hardware import environment
-from specdistill.models.draft_lm import DraftSize, build_draft  # noqa: E402
-from specdistill.models.target import load_target  # noqa: E402
+from specdistill.core.hardware import environment
+from specdistill.core.models.target import load_target  # noqa: E402
+from specdistill.methods.draft.model import DraftSize, build_draft  # noqa: E402
+from specdistill.methods.draft.proposer import DraftLMProposer  # noqa: E402
 
 
 @torch.inference_mode()

@@ -25,16 +25,16 @@ from _common import mtbench_first_turns, target_config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig  # noqa: E402
-from specdistill.decoding.loop import speculative_generate  # noqa: E402
-from specdistill.decoding.protocols import SamplingConfig  # noqa: E402
-from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
-from specdistill.hardware import environment
-from specdistill.models.eagle import load_eagle  # noqa: E402
-from specdistill.models.target import (
+from specdistill.core.hardware import environment
+from specdistill.core.models.target import (
     load_target,  # noqa: E402
     stop_ids,  # noqa: E402
 )
+from specdistill.decoding.loop import speculative_generate  # noqa: E402
+from specdistill.decoding.protocols import SamplingConfig  # noqa: E402
+from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
+from specdistill.methods.eagle.model import load_eagle  # noqa: E402
+from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig  # noqa: E402
 
 
 def record(proposer: EagleProposer, verifier: TargetVerifier, prompts: list[list[int]], max_new: int,

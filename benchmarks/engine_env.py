@@ -21,8 +21,8 @@ from pathlib import Path
 
 from _common import ROOT, engine_prompts
 
+from specdistill.core.hardware import environment
 from specdistill.engine.client import run_engine
-from specdistill.hardware import environment
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from _common import ROOT, engine_prompts
 
+from specdistill.core.hardware import environment
 from specdistill.engine.client import SKIP_IDLE_DRAFTER, run_engine
-from specdistill.hardware import environment
 
 IDLE = {SKIP_IDLE_DRAFTER: "1"}
 

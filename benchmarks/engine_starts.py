@@ -9,7 +9,7 @@ its own worker process pays `import vllm` too. This runs the same starts (the en
 drafter at K: nothing to train) both ways, alternating, --repeats times: `run_engine` per start (a process each, as
 the serve stage did) and `run_engines` (one worker process, each engine shut down before the next). Prints the wall
 seconds of each way with its cold starts and shut-downs, the output tokens/s of every start, and the machine's kind.
-Needs `make engine` and the target's export (`dvc repro export@target`).
+Needs `make engine` and the target's export (`dvc repro export_target`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from _common import ROOT, engine_prompts
 
+from specdistill.core.hardware import environment
 from specdistill.engine.client import run_engine, run_engines
-from specdistill.hardware import environment
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
                                              [--engine-workers 1 2] [--no-engine]
 
 The ways to answer the same train prompts with the real target, at the same sampling settings:
-  ours        specdistill.data.generation (length-sorted batches, preallocated KV cache, compaction)
+  ours        specdistill.core.data.generation (length-sorted batches, preallocated KV cache, compaction)
   hf_batched  model.generate on the same batches (left padding, same batch size)
   hf_single   model.generate one prompt at a time (on the first --single-prompts prompts)
   vllm_wN     generate.engine=vllm: the serving engine with N workers (the cores split between them), the
@@ -27,16 +27,16 @@ from _common import target_config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from specdistill.data.generation import GenerateConfig, generate_shard  # noqa: E402
+from specdistill.core.data.generation import GenerateConfig, generate_shard  # noqa: E402
+from specdistill.core.hardware import environment
+from specdistill.core.models.target import (
+    load_target,  # noqa: E402
+    stop_ids,  # noqa: E402
+)
 from specdistill.engine.environment import engine_available  # noqa: E402
 from specdistill.engine.generation import generate_with_engine  # noqa: E402
 from specdistill.evaluation.prompts import load_prompts  # noqa: E402
 from specdistill.export.target import export_target  # noqa: E402
-from specdistill.hardware import environment
-from specdistill.models.target import (
-    load_target,  # noqa: E402
-    stop_ids,  # noqa: E402
-)
 
 
 def response_tokens(seq: list[int], stops: set[int]) -> int:

@@ -25,13 +25,13 @@ from _common import mtbench_first_turns, target_config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from specdistill.decoding.protocols import SamplingConfig  # noqa: E402
-from specdistill.evaluation.runner import hf_method, our_method  # noqa: E402
-from specdistill.hardware import environment
-from specdistill.models.target import (
+from specdistill.core.hardware import environment
+from specdistill.core.models.target import (
     load_target,  # noqa: E402
     stop_ids,  # noqa: E402
 )
+from specdistill.decoding.protocols import SamplingConfig  # noqa: E402
+from specdistill.evaluation.runner import hf_method, our_method  # noqa: E402
 
 
 def main() -> None:

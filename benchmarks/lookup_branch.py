@@ -28,16 +28,16 @@ from types import SimpleNamespace
 import yaml
 from _common import ROOT, target_config
 
-from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-from specdistill.decoding.medusa import MedusaProposer
-from specdistill.decoding.proposers import PromptLookupProposer
+from specdistill.core.models.target import load_target, stop_ids
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.prompts import SPLITS, chat_encoder, load_conversations
 from specdistill.evaluation.runner import our_method, run_benchmark
+from specdistill.methods.eagle.model import load_eagle
+from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+from specdistill.methods.lookup.proposer import PromptLookupProposer
 from specdistill.methods.medusa import choices as medusa_choices
-from specdistill.models.eagle import load_eagle
-from specdistill.models.medusa import load_medusa
-from specdistill.models.target import load_target, stop_ids
+from specdistill.methods.medusa.model import load_medusa
+from specdistill.methods.medusa.proposer import MedusaProposer
 
 DEFAULT = ["eagle", "lookup", "u:8:4:1", "u:8:8:1", "u:8:8:2", "u:8:12:1", "u:6:8:1", "u:12:8:1"]
 

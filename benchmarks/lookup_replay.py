@@ -22,16 +22,16 @@ from pathlib import Path
 import yaml
 from _common import ROOT, target_config
 
-from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
+from specdistill.methods.lookup.proposer import PromptLookupProposer
 
 
 def record(params: dict, n: int, split: str) -> list[dict]:
     """AR's greedy answers on the evaluate stage's prompts: [{dataset, prompt, tokens}] per turn."""
+    from specdistill.core.models.target import load_target
     from specdistill.evaluation.prompts import chat_encoder, load_conversations
     from specdistill.evaluation.runner import our_method, run_benchmark
-    from specdistill.models.target import load_target
 
     ev = params["eval"]
     data = {d: load_conversations(ROOT / "data/prompts", d, n, split, test_n=ev["num_prompts"])

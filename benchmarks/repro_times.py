@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-from specdistill.hardware import cpu_name, matrix_units  # noqa: E402
+from specdistill.core.hardware import cpu_name, matrix_units  # noqa: E402
 from tests.helpers.checkout import minutes_table, repro_checkout, repro_env, timed_repro  # noqa: E402
 
 

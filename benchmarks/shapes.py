@@ -30,13 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdistill import methods  # noqa: E402
-from specdistill.config import section  # noqa: E402
+from specdistill.core.config import section  # noqa: E402
+from specdistill.core.hardware import environment  # noqa: E402
+from specdistill.core.models.target import TargetConfig, load_target  # noqa: E402
 from specdistill.evaluation.autotune import Capped  # noqa: E402
 from specdistill.evaluation.contention import Contention, busy_warning  # noqa: E402
 from specdistill.evaluation.prompts import chat_encoder, load_conversations  # noqa: E402
 from specdistill.evaluation.runner import our_method, run_benchmark  # noqa: E402
-from specdistill.hardware import environment  # noqa: E402
-from specdistill.models.target import TargetConfig, load_target  # noqa: E402
 from specdistill.stages.evaluate import EvalConfig, auto_depth, eval_item, pilot_conversations  # noqa: E402
 
 

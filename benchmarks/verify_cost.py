@@ -22,11 +22,11 @@ from _common import target_config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from specdistill.core.hardware import environment  # noqa: E402
+from specdistill.core.models.target import load_target  # noqa: E402
 from specdistill.decoding.verifier import TargetVerifier  # noqa: E402
 from specdistill.evaluation.autotune import binary_tree, verify_seconds  # noqa: E402
 from specdistill.evaluation.contention import Contention, busy_warning  # noqa: E402
-from specdistill.hardware import environment  # noqa: E402
-from specdistill.models.target import load_target  # noqa: E402
 
 
 def main() -> None:

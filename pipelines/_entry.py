@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT / "src"))  # runs from a plain checkout too
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from specdistill.config import register_resolvers  # noqa: E402
-from specdistill.stages.common import check_globals, setup_logging  # noqa: E402
+from specdistill.core.config import register_resolvers  # noqa: E402
+from specdistill.core.stage import check_globals, setup_logging  # noqa: E402
 
 register_resolvers()  # conf/'s `${files_stamp:...}` when a stage composes conf/ itself (run by hand)
 
@@ -58,7 +58,13 @@ def stage_help(stage: str, run: Callable[..., Any]) -> str:
 
     doc = (sys.modules[run.__module__].__doc__ or "").strip()
     spec = (yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"] or {}).get(stage, {})
-    body, items = spec.get("do", spec), list(spec.get("foreach") or [])
+    body, items = spec.get("do", spec), spec.get("foreach") or []
+    if isinstance(items, str):  # `${methods}`: one item per key of that section of params.yaml
+        section = yaml.safe_load((ROOT / "params.yaml").read_text()) if (ROOT / "params.yaml").exists() else {}
+        for part in items.strip("${}").split("."):
+            section = (section or {}).get(part) or {}
+        items = section
+    items = list(items)
     def shown(path: Any) -> str:  # `${item.needs}` -> `<needs>`, `${experiment_name}` -> `<experiment_name>`
         return re.sub(r"\$\{(?:item\.)?([^}]+)\}", r"<\1>", str(path))
 
@@ -70,7 +76,7 @@ def stage_help(stage: str, run: Callable[..., Any]) -> str:
     lines = [doc if doc.startswith(stage) else f"{stage}: {doc}", ""]
     if items:
         lines += [f"DVC runs it once per item: {', '.join(f'{stage}@{i}' for i in items)} (<key> below; each item's "
-                  "inputs are in dvc.yaml)", ""]
+                  "inputs are in its conf entry)", ""]
     lines += ["Reads:  " + (", ".join(map(str, reads)) or "the config only"),
               "Writes: " + (", ".join(map(str, writes)) or "-"), "",
               "Config groups (choose with group=option; every key can be set with key=value):"]

@@ -23,7 +23,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT / "src"))
     import yaml
 
-    from specdistill.stages.common import ConfigError, cross_limits
+    from specdistill.core.stage import ConfigError, cross_limits
 
     try:
         cross_limits(yaml.safe_load((ROOT / "params.yaml").read_text()))

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from specdistill.hardware import cpu_name, matrix_units  # noqa: E402
+from specdistill.core.hardware import cpu_name, matrix_units  # noqa: E402
 
 # (part, its marker expression): together every test, each once
 PARTS = (

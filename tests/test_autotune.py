@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdistill.core.errors import ConfigError
+from specdistill.core.records import read_record
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.proposers import DraftLMProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.errors import ConfigError
 from specdistill.evaluation.autotune import Capped, Pilot, Round, chain_tree, choose, predict, verify_seconds
-from specdistill.records import read_record
+from specdistill.methods.draft.proposer import DraftLMProposer
 from specdistill.stages import evaluate as evaluate_stage
 
 from .helpers.models import make_model

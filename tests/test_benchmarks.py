@@ -28,8 +28,8 @@ def test_lookup_replay_equals_real_decoding_along_the_same_answer(branches, tiny
     from lookup_replay import replay
 
     from specdistill.decoding.loop import speculative_generate
-    from specdistill.decoding.proposers import PromptLookupProposer
     from specdistill.decoding.verifier import TargetVerifier
+    from specdistill.methods.lookup.proposer import PromptLookupProposer
 
     from .helpers.models import make_model
     target = make_model(len(tiny_tokenizer), seed=0)

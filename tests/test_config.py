@@ -9,11 +9,11 @@ import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
 
-from specdistill.config import section
-from specdistill.data.generation import GenerateConfig
-from specdistill.data.prompts import PrepareConfig, SourceConfig
-from specdistill.errors import ConfigError
-from specdistill.models.target import TargetConfig
+from specdistill.core.config import section
+from specdistill.core.data.generation import GenerateConfig
+from specdistill.core.data.prompts import PrepareConfig, SourceConfig
+from specdistill.core.errors import ConfigError
+from specdistill.core.models.target import TargetConfig
 
 from .helpers.config import composed
 from .helpers.project import ROOT
@@ -32,7 +32,7 @@ def test_every_experiment_composes_into_valid_sections(experiment):
     assert set(cfg["assets"]["items"]) == {"target", "sharegpt", "mtbench", "humaneval"}
     # the training sections too: a bad one must fail at start, not after the target has loaded
     from specdistill import methods
-    from specdistill.data.datamodule import DataConfig
+    from specdistill.core.data.datamodule import DataConfig
     from specdistill.stages.train import DistillConfig, method_sections
     from specdistill.training.base import build_optimizer
     from specdistill.training.losses import build_loss
@@ -50,7 +50,7 @@ def test_every_experiment_composes_into_valid_sections(experiment):
 
     section(EvalConfig, cfg["eval"], "eval")
     # every method that drafts has its decode section composed (conf/decode/<m>.yaml), checked, the EAGLE tree too
-    assert set(cfg["decode"]) == {n for n, m in methods.REGISTRY.items() if m.decode}
+    assert set(cfg["decode"]) == {n for n, m in methods.all_methods().items() if m.decode}
     for name in cfg["decode"]:
         methods.decode_settings(cfg, name)
     for key, item in cfg["evals"].items():  # and each evaluate item's keys over its method's
@@ -83,7 +83,7 @@ def test_unknown_key_in_a_section_names_it():
 
 
 def test_bad_values_fail_at_start():
-    from specdistill.data.generation import GenerationError
+    from specdistill.core.data.generation import GenerationError
 
     with pytest.raises(GenerationError, match="generate.source"):
         GenerateConfig(source="draft")
@@ -140,7 +140,7 @@ def test_stage_help_says_what_it_does_reads_and_writes():
     out = subprocess.run([sys.executable, str(ROOT / "pipelines/train.py"), "--help"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.startswith("train@M: distill a draft") and "_entry" not in out
-    assert "train@draft" in out and "Reads:  <data>" in out
+    assert "train@draft" in out and "Reads:  <inputs>" in out
     assert "Writes: models/<key>" in out and "loss         ce | fkl | jsd" in out and "--cfg job" in out
     assert len(out.splitlines()) < 60
     evaluate = subprocess.run([sys.executable, str(ROOT / "pipelines/evaluate.py"), "--help"], capture_output=True,
@@ -170,7 +170,7 @@ def test_a_local_targets_stamp_follows_its_files(tmp_path, monkeypatch):
 
     from dvc.utils.hydra import compose_and_dump
 
-    from specdistill.config import files_stamp
+    from specdistill.core.config import files_stamp
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))  # each file's sha256, kept under its stat
     model = tmp_path / "model"

@@ -14,15 +14,15 @@ from .helpers.config import composed
 
 def sections() -> list[tuple[str, type, dict[str, Any]]]:
     from specdistill import methods
-    from specdistill.assets import AssetsConfig
-    from specdistill.data.datamodule import DataConfig
-    from specdistill.data.features import FeaturesConfig
-    from specdistill.data.generation import GenerateConfig
-    from specdistill.data.prompts import PrepareConfig, SourceConfig
-    from specdistill.decoding.eagle import EagleTreeConfig
+    from specdistill.core.assets import AssetsConfig
+    from specdistill.core.data.datamodule import DataConfig
+    from specdistill.core.data.features import FeaturesConfig
+    from specdistill.core.data.generation import GenerateConfig
+    from specdistill.core.data.prompts import PrepareConfig, SourceConfig
+    from specdistill.core.models.target import TargetConfig
     from specdistill.engine.serving import ServeConfig
-    from specdistill.models.draft_lm import DraftSize
-    from specdistill.models.target import TargetConfig
+    from specdistill.methods.draft.model import DraftSize
+    from specdistill.methods.eagle.proposer import EagleTreeConfig
     from specdistill.online.policy import OnlineConfig
     from specdistill.stages.evaluate import EvalConfig
     from specdistill.stages.export import ExportConfig
@@ -38,9 +38,9 @@ def sections() -> list[tuple[str, type, dict[str, Any]]]:
            ("online", OnlineConfig, cfg["online"]),
            ("eval", EvalConfig, cfg["eval"]), ("decode.eagle.tree", EagleTreeConfig, cfg["decode"]["eagle"]["tree"]),
            ("export", ExportConfig, cfg["export"])]
-    out += [(f"decode.{name}", m.decode, cfg["decode"][name]) for name, m in methods.REGISTRY.items() if m.decode]
+    out += [(f"decode.{name}", m.decode, cfg["decode"][name]) for name, m in methods.all_methods().items() if m.decode]
     for key, m in cfg["methods"].items():
-        method = methods.REGISTRY[m["name"]]
+        method = methods.find(m["name"])
         if key != m["name"] or _default({f.name: f for f in dataclasses.fields(method.config)}["name"]) != key:
             continue  # a variant (draft_ce, eagle31; eagle1 of EAGLE-3's class) differs from its base by design
         out.append((f"methods.{key}", method.config, m))

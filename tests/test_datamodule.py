@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdistill.data.datamodule import (
+from specdistill.core.data.datamodule import (
     DataConfig,
     DataError,
     DistillDataModule,

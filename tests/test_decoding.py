@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import specdistill.decoding.loop as loop
+from specdistill.core.models.hidden import HiddenTap
+from specdistill.core.models.kv_cache import PreallocatedCache
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.hidden import HiddenTap
-from specdistill.models.kv_cache import PreallocatedCache
+from specdistill.methods.draft.proposer import DraftLMProposer
+from specdistill.methods.lookup.proposer import PromptLookupProposer
 
 from .helpers.decoding import PROMPTS, BigramProposer, plain_greedy, tables
 from .helpers.models import make_model

@@ -8,19 +8,19 @@ import json
 import pytest
 import torch
 
-from specdistill.decoding.dflash import DFlashProposer
+from specdistill.core.records import read_record
 from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.dflash import (
+from specdistill.methods.dflash.model import (
     MASK,
     build_dflash,
     load_dflash,
     save_dflash,
 )
-from specdistill.records import read_record
+from specdistill.methods.dflash.proposer import DFlashProposer
+from specdistill.methods.dflash.training import all_anchors, anchor_candidates, block_inputs, sample_anchors
 from specdistill.stages import train as train_stage
-from specdistill.training.dflash import all_anchors, anchor_candidates, block_inputs, sample_anchors
 
 from .helpers.data import save_mtbench
 from .helpers.decoding import PROMPTS, plain_greedy
@@ -123,7 +123,7 @@ def test_training_and_drafting_give_the_head_the_token_before_each_slot(target):
     """The Markov head's input where it is used: training (`_slots`) gives slot j of the block at p the data's
     x_{p+j-1} (slot 1: the anchor's own token); the proposer's chain gives each slot the token drawn before it, and
     draws the argmax of the block's logits plus that bias at T = 0."""
-    from specdistill.training.dflash import DFlashModule
+    from specdistill.methods.dflash.training import DFlashModule
     from specdistill.training.losses import Teacher, build_loss
 
     drafter = random_drafter(target, markov_rank=4, scale=1.0)
@@ -222,7 +222,7 @@ def test_fast_dev_run_dflash(tmp_path, tiny_target_dir, generated, method, loss,
 
 
 def test_evaluate_stage_runs_dflash(tmp_path, tiny_target_dir, monkeypatch):
-    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.core.models.target import TargetConfig, load_target
     from specdistill.stages import evaluate as evaluate_stage
 
     from .helpers.evaluate import greedy_texts
@@ -248,8 +248,8 @@ def test_evaluate_stage_runs_dflash(tmp_path, tiny_target_dir, monkeypatch):
 def test_dflash_exports_in_the_speculators_layout(tmp_path, target, tiny_tokenizer):
     """vLLM's names, the aux ids ascending with fc's blocks permuted to match, d2t as offsets over the sorted draft
     vocabulary, the mask embedding beside them, the non-causal block stated; refused for another target."""
-    from specdistill.export.dflash import MASK_FILE, export_dflash
     from specdistill.export.target import ExportError, export_target
+    from specdistill.methods.dflash.export import MASK_FILE, export_dflash
 
     drafter = build_dflash(target, [2, 0, 1], num_layers=2, block_size=5, mask_token_id=1, d2t=torch.tensor([9, 4, 7]))
     drafter.cfg.target_fingerprint = "fp"

@@ -5,19 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdistill.core.errors import ConfigError
+from specdistill.core.models.vocab import draft_vocabulary
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.proposers import DraftLMProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.draft_lm import (
+from specdistill.methods.draft.model import (
     DraftError,
     DraftSize,
     build_draft,
     check_same_vocabulary,
-    draft_vocabulary,
     load_draft,
     save_draft,
 )
+from specdistill.methods.draft.proposer import DraftLMProposer
 
 from .helpers.models import make_model
 
@@ -54,7 +55,7 @@ def test_bad_sizes_fail_clearly(target):
 def test_draft_vocabulary_keeps_frequent_and_stop_tokens():
     d2t = draft_vocabulary([[5, 5, 5, 7, 7, 9], [5, 7, 11]], 3, 16, always=[2])
     assert d2t.tolist() == [2, 5, 7]
-    with pytest.raises(DraftError, match="vocab_size"):
+    with pytest.raises(ConfigError, match="vocab_size"):
         draft_vocabulary([[1]], 0, 16)
 
 

@@ -3,29 +3,19 @@ reads their outputs, through deps), and no stage's config hides in its command l
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers.pipeline import ROOT, items
 
 
 def stage_params() -> dict[str, list[str]]:
-    """`stage@item` -> the params DVC watches for it (foreach expanded as DVC does)."""
+    """`stage@item` -> the params DVC watches for it (as DVC resolves dvc.yaml over params.yaml), and
+    `_cmd:<item>` -> its command."""
     out: dict[str, list[str]] = {}
-    for name, spec in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items():
-        items = spec.get("foreach")
-        body = spec.get("do", spec)
-        for key, item in (items.items() if items else [(None, {})]):
-            def fill(text: str, key: str | None = key, item: dict = item) -> str:
-                text = text.replace("${key}", str(key))
-                for k, v in (item or {}).items():
-                    text = text.replace(f"${{item.{k}}}", str(v))
-                return text
-            params = [p if isinstance(p, str) else next(iter(p)) for p in body.get("params", [])]
-            out[name if key is None else f"{name}@{key}"] = [fill(p) for p in params]
-            out.setdefault("_cmd:" + (name if key is None else f"{name}@{key}"), [fill(body["cmd"])])
+    for name, item in items().items():
+        out[name] = list(item.params)
+        out["_cmd:" + name] = [item.cmd]
     return out
 
 
@@ -92,20 +82,26 @@ def test_every_item_names_a_config_section():
         if stage.startswith("evaluate@"):
             item = cfg["evals"][stage.split("@")[1]]
             assert f"decode.{item['method']}" in stage_params()[stage], stage  # the section its method drafts with
-            # and each companion it reports beside or verifies as a branch (dvc.yaml's `also`)
+            # and each companion it reports beside or verifies as a branch (its `inputs.companion`)
             for companion in [*item.get("beside", cfg["eval"]["beside"]), item.get("branch", cfg["eval"]["branch"])]:
                 assert companion is None or f"decode.{companion}" in stage_params()[stage], (stage, companion)
+            # the folder it waits for is the one its draft reads (the item's decode.path, else its method's)
+            has_path = "path" in (item.get("decode") or {}) or "path" in (cfg["decode"].get(item["method"]) or {})
+            folder = (item.get("decode") or {}).get("path", (cfg["decode"].get(item["method"]) or {}).get("path"))
+            if has_path and folder:
+                assert item["inputs"]["model"] == folder, (stage, item["inputs"], folder)
 
 
 def test_the_compare_stage_watches_each_rival_it_runs():
-    """stage compare runs evals.compare's rivals: each one's item, the decode section its method drafts with and its
-    trained folder are in the stage's params and deps (a rival added to evals.compare must be added there too)."""
+    """stage compare runs the compare section's rivals: each one's item, the decode section its method drafts with
+    and its trained folder are in the stage's params and deps (a rival added to compare.rivals must be added there
+    too)."""
     from .helpers.config import composed
 
     cfg = composed()
     spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["compare"]
-    item, params = cfg["evals"]["compare"], stage_params()["compare"]
-    assert "eval.name=compare" in spec["cmd"] and "evals.compare" in params
+    item, params = cfg["compare"], stage_params()["compare"]
+    assert "eval.name=compare" in spec["cmd"] and "compare" in params
     assert f"decode.{item['method']}" in params and f"models/{item['method']}" in spec["deps"]
     for rival in item["rivals"]:
         method = cfg["evals"][rival]["method"]

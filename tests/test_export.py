@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdistill.export.eagle3 import eagle3_state, export_eagle3
 from specdistill.export.target import ExportError, export_target, exported_fingerprint
-from specdistill.models.eagle import build_eagle
+from specdistill.methods.eagle.export import eagle3_state, export_eagle3
+from specdistill.methods.eagle.model import build_eagle
 
 from .helpers.models import make_model
 
@@ -104,8 +104,8 @@ def test_a_bad_export_is_refused_before_the_engine(exported, tmp_path, tiny_toke
 def test_the_separate_draft_exports_only_with_the_full_vocabulary(exported, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from specdistill.export.draft import export_draft
-    from specdistill.models.draft_lm import DraftSize, build_draft, save_draft
+    from specdistill.methods.draft.export import export_draft
+    from specdistill.methods.draft.model import DraftSize, build_draft, save_draft
 
     model, folder = exported
     size = DraftSize(name="t", num_layers=1)
@@ -125,8 +125,8 @@ def test_the_separate_draft_exports_only_with_the_full_vocabulary(exported, tmp_
 def test_medusa_exports_in_vllms_layout(exported, tmp_path, tiny_tokenizer):
     """vLLM's Medusa names and config, the reduced head as its token map, the blocks as ours compute them; a
     target it was not trained on is refused."""
-    from specdistill.export.medusa import export_medusa
-    from specdistill.models.medusa import build_medusa
+    from specdistill.methods.medusa.export import export_medusa
+    from specdistill.methods.medusa.model import build_medusa
 
     model, folder = exported
     d2t = torch.tensor([40, 3, 17, 9, 2, 60])
@@ -179,9 +179,9 @@ def test_serve_leaves_out_the_k_a_medusa_export_cannot_draft(tmp_path):
     from omegaconf import OmegaConf
 
     from specdistill import methods
-    from specdistill.config import section
+    from specdistill.core.config import section
+    from specdistill.core.errors import ConfigError
     from specdistill.engine.serving import ServeConfig
-    from specdistill.errors import ConfigError
     from specdistill.stages.serve import servable_k
 
     from .helpers.project import ROOT

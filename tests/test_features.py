@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
-from specdistill.data.features import FeatureStore
-from specdistill.errors import ConfigError
-from specdistill.models.eagle import build_eagle
-from specdistill.models.hidden import HiddenTap
+from specdistill.core.data.datamodule import DataConfig, DataError, DistillDataModule
+from specdistill.core.data.features import FeatureStore
+from specdistill.core.errors import ConfigError
+from specdistill.core.models.hidden import HiddenTap
+from specdistill.methods.eagle.model import build_eagle
+from specdistill.methods.eagle.training import EagleModule
 from specdistill.stages import features as features_stage
 from specdistill.stages import train as train_stage
-from specdistill.training.eagle import EagleModule
 from specdistill.training.losses import build_loss
 
 from .helpers.data import write_split

@@ -14,10 +14,10 @@ import datasets
 import pytest
 import torch
 
-from specdistill.data.generation import GenerateConfig, generate_shard, shard_name
-from specdistill.data.prompts import apply_template
-from specdistill.models.target import stop_ids
-from specdistill.records import read_record
+from specdistill.core.data.generation import GenerateConfig, generate_shard, shard_name
+from specdistill.core.data.prompts import apply_template
+from specdistill.core.models.target import stop_ids
+from specdistill.core.records import read_record
 from specdistill.stages import generate as generate_stage
 
 from .helpers.generation import QUESTIONS, make_prompts, read_split, stage_cfg

@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.medusa import MedusaProposer
-from specdistill.decoding.proposers import DraftLMProposer, PromptLookupProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.union import UnionProposer
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.medusa_tree import grow_tree
+from specdistill.methods.draft.proposer import DraftLMProposer
+from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+from specdistill.methods.lookup.proposer import PromptLookupProposer
+from specdistill.methods.medusa.proposer import MedusaProposer
+from specdistill.methods.medusa.tree import grow_tree
 from specdistill.stages import train as train_stage
 
 from .helpers.data import save_mtbench
@@ -116,8 +117,8 @@ def test_train_fast_dev_run_bf16_mixed_on_the_device(tmp_path, tiny_target_dir, 
 
 @pytest.mark.parametrize("method", ["draft", "eagle"])
 def test_evaluate_stage_on_the_device(tmp_path, tiny_target_dir, monkeypatch, method):
-    from specdistill.models.eagle import save_eagle
-    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.core.models.target import TargetConfig, load_target
+    from specdistill.methods.eagle.model import save_eagle
     from specdistill.stages import evaluate as evaluate_stage
     save_mtbench(tmp_path / "prompts")
     ev = {"method": method, "datasets": ["mtbench"], "num_prompts": 1, "max_new_tokens": 8, "temperatures": [0.0, 1.0]}
@@ -142,8 +143,8 @@ def test_evaluate_stage_on_the_device(tmp_path, tiny_target_dir, monkeypatch, me
 
 def test_online_stage_on_the_device(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch):
     """Serving and the student's updates run beside the target on its device."""
-    from specdistill.models.draft_lm import save_draft
-    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.core.models.target import TargetConfig, load_target
+    from specdistill.methods.draft.model import save_draft
     from specdistill.stages import online as online_stage
 
     from .helpers.data import save_code_prompts

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from specdistill.io import UMASK, atomic_path, write_json
+from specdistill.core.io import UMASK, atomic_path, write_json
 
 
 def test_outputs_get_the_umask_permissions_not_the_temporaries(tmp_path):
@@ -31,7 +31,7 @@ def test_sha256_cached_reads_a_file_once_and_keeps_one_entry_per_path(tmp_path, 
     import json
     import os
 
-    from specdistill import io
+    from specdistill.core import io
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "w.safetensors"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdistill.models.kv_cache import PreallocatedCache
+from specdistill.core.models.kv_cache import PreallocatedCache
 
 
 def run(model, cache, ids, mask):
@@ -64,7 +64,7 @@ def test_capacity_overflow_is_a_clear_error(tiny_model):
 
 
 def test_transformers_older_than_the_cache_keyword_is_refused():
-    from specdistill.models import require_transformers
+    from specdistill.core.models import require_transformers
 
     require_transformers("5.24.0")
     require_transformers("5.30.1")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdistill.records import read_record
+from specdistill.core.records import read_record
 
 from .helpers.data import write_split
 from .helpers.project import ROOT

@@ -40,17 +40,17 @@ import pytest
 import torch
 
 import specdistill.decoding.loop as loop
-from specdistill.decoding.dflash import DFlashProposer
-from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.medusa import MedusaProposer
-from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.union import UnionProposer
 from specdistill.decoding.verify import verify_sampling
 from specdistill.evaluation.autotune import Capped
+from specdistill.methods.dflash.proposer import DFlashProposer
+from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+from specdistill.methods.lookup.proposer import PromptLookupProposer
+from specdistill.methods.medusa.model import MedusaConfig, MedusaHeads
+from specdistill.methods.medusa.proposer import MedusaProposer
 from specdistill.methods.suffix import SuffixConfig, SuffixIndex, SuffixProposer
-from specdistill.models.medusa import MedusaConfig, MedusaHeads
 
 from .helpers.decoding import BigramProposer, FeatureBigramVerifier, V, exact_marginals, tables
 from .helpers.drafts import bigram_drafter, bigram_head

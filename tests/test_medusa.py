@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.medusa import MedusaProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.medusa import load_medusa, save_medusa
-from specdistill.models.medusa_tree import cartesian_choices, check_choices, expected_accepted, grow_tree
+from specdistill.methods.medusa.model import load_medusa, save_medusa
+from specdistill.methods.medusa.proposer import MedusaProposer
+from specdistill.methods.medusa.training import MedusaModule, head_pairs
+from specdistill.methods.medusa.tree import cartesian_choices, check_choices, expected_accepted, grow_tree
 from specdistill.stages import train as train_stage
 from specdistill.training.losses import build_loss
-from specdistill.training.medusa import MedusaModule, head_pairs
 
 from .helpers.data import save_mtbench
 from .helpers.decoding import PROMPTS, plain_greedy
@@ -175,7 +175,7 @@ def test_fast_dev_run_medusa(tmp_path, tiny_target_dir, generated, loss, vocab):
 
 
 def test_medusa_refuses_a_stored_teacher(tmp_path, tiny_target_dir, generated):
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="teacher=live"):
         train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "method=medusa",
@@ -183,7 +183,7 @@ def test_medusa_refuses_a_stored_teacher(tmp_path, tiny_target_dir, generated):
 
 
 def test_evaluate_stage_runs_medusa(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch):
-    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.core.models.target import TargetConfig, load_target
     from specdistill.stages import evaluate as evaluate_stage
     save_mtbench(tmp_path / "prompts")
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))

@@ -7,16 +7,16 @@ import itertools
 import pytest
 import torch
 
+from specdistill.core.records import read_record
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.proposers import DraftLMProposer
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.draft_lm import save_draft
+from specdistill.methods.draft.model import save_draft
+from specdistill.methods.draft.proposer import DraftLMProposer
+from specdistill.methods.draft.training import DraftLMModule
 from specdistill.online.buffer import RejectionBuffer
 from specdistill.online.policy import OnlineConfig, StoppingRule
 from specdistill.online.recorder import RecordingVerifier
 from specdistill.online.server import OnlineDistiller
-from specdistill.records import read_record
-from specdistill.training.draft import DraftLMModule
 from specdistill.training.losses import Teacher, build_loss
 
 from .helpers.data import save_code_prompts
@@ -124,8 +124,8 @@ def test_serving_stays_lossless_before_and_after_updates(target, kind):
         draft, serving = student(target), student(target)
         module, proposer = module_for(target, draft), DraftLMProposer(serving, k=3)
     else:
-        from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-        from specdistill.training.eagle import EagleModule
+        from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+        from specdistill.methods.eagle.training import EagleModule
 
         from .helpers.drafts import random_head
 
@@ -154,7 +154,7 @@ def test_buffer_is_bounded_in_tokens(target):
 @pytest.mark.parametrize("scenario", ["code", "chat"])
 def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_dir, tiny_tokenizer, monkeypatch,
                                                          scenario):
-    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.core.models.target import TargetConfig, load_target
     from specdistill.stages import online as online_stage
 
     save_code_prompts(tiny_tokenizer, tmp_path / "prompts" / ("humaneval" if scenario == "code" else "val"))
@@ -187,7 +187,7 @@ def test_online_stage_writes_metrics_curves_and_versions(tmp_path, tiny_target_d
 
 
 def test_offline_replay_steps_train_on_the_offline_data_with_a_live_teacher(target, generated):
-    from specdistill.data.datamodule import DataConfig, DistillDataModule
+    from specdistill.core.data.datamodule import DataConfig, DistillDataModule
 
     dm = DistillDataModule(DataConfig(batch_size=2, bucket_size=1), generated, generated, pad_id=2)
     dm.setup("fit")
@@ -263,8 +263,8 @@ def test_the_gate_deploys_an_update_or_rolls_it_back(target, lr, tolerance, depl
 
 
 def test_the_gate_scores_an_eagle_head_on_its_first_draft_step(target):
-    from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
-    from specdistill.training.eagle import EagleModule
+    from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+    from specdistill.methods.eagle.training import EagleModule
 
     from .helpers.drafts import random_head
 
@@ -286,9 +286,9 @@ def test_the_gate_scores_an_eagle_head_on_its_first_draft_step(target):
 def test_a_score_memo_runs_the_target_once_for_the_gates_two_scores(target):
     """The gate scores its requests before and after an update against the same frozen target: with a memo
     the target's pass runs once, and the scores are those of a fresh pass (the student changed in between)."""
+    from specdistill.methods.eagle.training import EagleModule
+    from specdistill.methods.medusa.training import MedusaModule
     from specdistill.online.recorder import RequestRecord
-    from specdistill.training.eagle import EagleModule
-    from specdistill.training.medusa import MedusaModule
 
     from .helpers.drafts import random_head, random_heads
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.models.draft_lm import DraftSize, build_draft
+from specdistill.methods.draft.model import DraftSize, build_draft
 from specdistill.training.onpolicy import continue_prompts
 
 from .helpers.models import make_model

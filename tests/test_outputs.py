@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from specdistill.io import atomic_path
-from specdistill.outputs import MARKER, OutputError, check_paths, check_replaceable, plain_name
+from specdistill.core.io import atomic_path
+from specdistill.core.outputs import MARKER, OutputError, check_paths, check_replaceable, plain_name
 
 from .helpers.checkout import composed, snapshot, stage_run
 
@@ -122,7 +122,7 @@ def test_a_folder_that_appears_while_the_stage_runs_is_not_deleted(tmp_path, mon
 def test_a_process_any_launcher_names_as_another_rank_is_not_rank_zero(var, monkeypatch):
     """srun sets only SLURM_PROCID / SLURM_LOCALID: every rank of an sbatch job once took itself for rank zero, and
     the second stopped at the output lock ("another run is writing")."""
-    from specdistill.outputs import RANK_VARIABLES, is_rank_zero
+    from specdistill.core.outputs import RANK_VARIABLES, is_rank_zero
 
     for v in RANK_VARIABLES:
         monkeypatch.delenv(v, raising=False)
@@ -134,7 +134,7 @@ def test_a_process_any_launcher_names_as_another_rank_is_not_rank_zero(var, monk
 def _fresh_locks(monkeypatch, tmp_path):
     import tempfile
 
-    from specdistill import outputs
+    from specdistill.core import outputs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(outputs, "_held", {})
@@ -204,8 +204,8 @@ def test_a_folder_another_output_wrote_is_refused_naming_both(tmp_path, monkeypa
     replace a folder any other had marked. The same output rerun still replaces its own."""
     from pathlib import Path
 
-    from specdistill import outputs
-    from specdistill.stages.common import check_outputs
+    from specdistill.core import outputs
+    from specdistill.core.stage import check_outputs
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(outputs, "_claims", {})
@@ -239,14 +239,14 @@ def test_a_folder_another_output_wrote_is_refused_naming_both(tmp_path, monkeypa
 
 INPUT_IN_AN_OUTPUT = [  # a derived output folder over what the same run reads: measured, then replaced
     ("evaluate", ["decode.draft.path=plots/default/draft"], "decode.draft.path"),
-    ("online", ["online.method=draft", "online.draft_path=models/online_draft"], "online.draft_path"),
+    ("online", ["online.method=draft", "online.items.draft=models/online_draft"], "online.items.draft"),
     ("train", ["method=draft", "methods.draft.init_from=models/draft"], "methods.draft.init_from"),
 ]
 
 
 @pytest.mark.parametrize("stage,overrides,key", INPUT_IN_AN_OUTPUT, ids=[" ".join(o) for _, o, _ in INPUT_IN_AN_OUTPUT])
 def test_a_stage_never_replaces_what_it_reads(checkout, stage, overrides, key):
-    from specdistill import outputs
+    from specdistill.core import outputs
 
     for folder in ("models/draft", "models/online_draft", "plots/default/draft"):
         (checkout / folder).mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import json
 import datasets
 import pytest
 
-from specdistill.data.prompts import (
+from specdistill.core.data.prompts import (
     PrepareConfig,
     PromptError,
     SourceConfig,
@@ -46,7 +46,7 @@ def test_recovers_every_complete_record_of_a_truncated_file():
 
 
 def test_contexts_end_in_a_user_turn_and_clean_chunked_conversations():
-    from specdistill.data.prompts import _normalise
+    from specdistill.core.data.prompts import _normalise
 
     turns = _normalise([("human", ""), ("gpt", "orphan answer"), ("human", "Q1"), ("human", "more"),
                         ("gpt", "A1"), ("human", "Q2"), ("gpt", "A2"), ("human", "Q3")])
@@ -66,7 +66,7 @@ def prep_cfg(**kw):
 
 
 def pairs(records):
-    from specdistill.data.prompts import _normalise
+    from specdistill.core.data.prompts import _normalise
 
     return [(r["id"], _normalise((t["from"], t["value"]) for t in r["conversations"])) for r in records]
 
@@ -155,7 +155,7 @@ def test_any_datasets_source_by_config(tmp_path, tiny_assets, tiny_target_dir):
 
 
 def test_unknown_data_key_fails_at_start(tmp_path, tiny_assets, tiny_target_dir):
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
 
     cfg = prepare_cfg(tmp_path, tiny_assets, tiny_target_dir, num_trian=5)
     with pytest.raises(ConfigError, match="num_trian"):
@@ -175,7 +175,7 @@ def coding_records(n: int):
 
 
 def test_code_fraction_sets_the_train_mix_and_leaves_val_alone(tiny_tokenizer):
-    from specdistill.data.prompts import looks_like_code, mix_summary
+    from specdistill.core.data.prompts import looks_like_code, mix_summary
 
     recs = sharegpt_records(60) + coding_records(60)  # 120 chat contexts, 60 code ones
     natural, val0, _ = build_train_val(pairs(recs), prep_cfg(num_train=40), tiny_tokenizer, "s")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specdistill.records import (
+from specdistill.core.records import (
     headline_of_serving,
     headline_of_training,
     read_record,

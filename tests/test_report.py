@@ -216,7 +216,7 @@ def test_report_names_the_cpu_kind_and_flags_runs_from_different_machines(tmp_pa
 def test_environment_names_the_cpu_and_its_kind(monkeypatch):
     from pathlib import Path
 
-    from specdistill import hardware
+    from specdistill.core import hardware
 
     real_read = Path.read_text
     flags = {"flags": "fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile"}

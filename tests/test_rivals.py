@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from specdistill.errors import ConfigError
-from specdistill.models.dflash import save_dflash
-from specdistill.models.eagle import save_eagle
+from specdistill.core.errors import ConfigError
+from specdistill.methods.dflash.model import save_dflash
+from specdistill.methods.eagle.model import save_eagle
 
 from .helpers.data import save_questions
 from .helpers.drafts import random_drafter, random_head
@@ -38,7 +38,7 @@ def setting_block(table: str, setting: str) -> list[str]:
 @pytest.fixture
 def compare_cfg(tmp_path, tiny_target_dir, monkeypatch) -> dict:
     """The evaluate config of evals.compare over three random drafters saved where the items point."""
-    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.core.models.target import TargetConfig, load_target
 
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="compare", hf_baselines=False)
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
@@ -131,7 +131,7 @@ def test_the_report_sets_the_drafters_side_by_side(tmp_path, compare_cfg):
     rows = [line for line in summary_table({"compare": same}) if line.startswith("| EAGLE-3 |")]
     assert len(rows) == 1 and "(`compare: eagle31`)" in rows[0]
     # the record on disk has sorted keys (dflash before eagle31); the report lists the rivals as eval.rivals does
-    from specdistill.records import read_record
+    from specdistill.core.records import read_record
 
     written = "\n".join(head_to_head({"compare": read_record(tmp_path / "metrics/compare.json")}))
     assert written.index("| eagle31 | eagle3.1") < written.index("| dflash | DFlash")
@@ -182,8 +182,8 @@ def test_a_rival_that_cannot_share_the_run_fails_before_the_target_loads(compare
 
 
 def test_wandb_summarises_each_rival_beside_the_run(tmp_path, compare_cfg, monkeypatch):
+    from specdistill.core.tracking import wandb_run
     from specdistill.stages import evaluate as evaluate_stage
-    from specdistill.tracking import wandb_run
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     metrics = evaluate_stage.run(compare_cfg)
@@ -201,7 +201,7 @@ def test_wandb_summarises_each_rival_beside_the_run(tmp_path, compare_cfg, monke
 
 def test_a_rival_follows_what_the_run_measures(compare_cfg):
     """A measurement key set on the run's own item (evals.compare) reaches its rivals: it is the run's, not theirs."""
-    from specdistill.config import section
+    from specdistill.core.config import section
     from specdistill.stages.evaluate import EvalConfig, eval_item, rival_item
 
     cfg = {**compare_cfg, "evals": {**compare_cfg["evals"],

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdistill.sampling import sample, sample_logits, warp
+from specdistill.core.sampling import sample, sample_logits, warp
 
 from .helpers.stats import chi2_p
 

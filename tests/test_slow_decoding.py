@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from specdistill.core.models.target import load_target
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.proposers import DraftLMProposer
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.draft_lm import draft_from_target
-from specdistill.models.target import load_target
+from specdistill.methods.draft.model import draft_from_target
+from specdistill.methods.draft.proposer import DraftLMProposer
 
 from .helpers.project import ROOT
 

@@ -1,4 +1,4 @@
-"""Suffix decoding (methods/suffix.py): its matches and trees against brute force, its settings through the registry
+"""Suffix decoding (methods/suffix/): its matches and trees against brute force, its settings through the registry
 and the config, and the decoder staying lossless with it (greedy equality here; the chi-square in test_lossless)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specdistill import methods
+from specdistill.core.errors import ConfigError
 from specdistill.decoding.protocols import SamplingConfig
-from specdistill.errors import ConfigError
 from specdistill.methods.suffix import (
     SuffixConfig,
     SuffixIndex,
@@ -109,7 +109,6 @@ def test_its_settings_come_from_decode_suffix_and_are_checked_at_start(tmp_path)
     assert isinstance(own, SuffixConfig) and own.max_spec_tokens == 4 and own.corpus is None
     over = methods.decode_settings({"decode": {"suffix": {"corpus": None}}}, "suffix", {"max_spec_tokens": 2})
     assert over.max_spec_tokens == 2  # an evaluate item's keys over the section
-    assert methods.decode_settings({"decode": {}}, "ngram") is None  # the engine's method drafts nothing of ours
     with pytest.raises(ConfigError, match=r"decode.suffix.max_spec_tokens"):
         methods.decode_settings({"decode": {"suffix": {"max_spec_tokens": "many"}}}, "suffix")
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['max_spec'\] in `decode.suffix`"):
@@ -141,7 +140,7 @@ def test_greedy_output_is_the_targets_whatever_the_index_holds(target):
 
 
 def test_evaluate_stage_runs_suffix_decoding_over_a_generated_corpus(tmp_path, tiny_target_dir, monkeypatch):
-    from specdistill.records import read_record
+    from specdistill.core.records import read_record
     from specdistill.stages import evaluate as evaluate_stage
 
     from .helpers.data import save_mtbench, write_split

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdistill.models.target import TargetConfig, TargetError, load_target
+from specdistill.core.models.target import TargetConfig, TargetError, load_target
 
 from .helpers.project import ROOT
 
@@ -47,10 +47,10 @@ def test_clear_errors():
                                                        ("float32", False, False)])
 def test_emulated_bfloat16_is_named_at_load(tiny_target_dir, monkeypatch, caplog, dtype, native, warned):
     """bf16 on a CPU without its kernels is correct but slow for multi-token forwards: say so, and the fix."""
-    from specdistill import hardware
+    from specdistill.core import hardware
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
-    with caplog.at_level("WARNING", logger="specdistill.models.target"):
+    with caplog.at_level("WARNING", logger="specdistill.core.models.target"):
         load_target({"name_or_path": str(tiny_target_dir), "dtype": dtype})
     assert ("target.dtype=auto or float32" in caplog.text) == warned
 
@@ -59,25 +59,25 @@ def test_emulated_bfloat16_is_named_at_load(tiny_target_dir, monkeypatch, caplog
 def test_auto_dtype_follows_the_cpu(tiny_target_dir, monkeypatch, caplog, native, chosen):
     """target.dtype=auto: bf16 only where the CPU has its kernels, resolved once in the config, so the data's
     fingerprint and every record name the dtype that ran; no emulation warning either way."""
-    from specdistill import hardware
+    from specdistill.core import hardware
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
     assert TargetConfig(name_or_path="x", dtype="auto").dtype == str(chosen).removeprefix("torch.")
-    with caplog.at_level("WARNING", logger="specdistill.models.target"):
+    with caplog.at_level("WARNING", logger="specdistill.core.models.target"):
         t = load_target({"name_or_path": str(tiny_target_dir), "dtype": "auto"})
     assert t.dtype == chosen and "without native bfloat16" not in caplog.text
 
 
 def test_auto_dtype_on_this_machine():
     """What the smoke experiment and CI get here: the real capability, not a patched one."""
-    from specdistill.hardware import cpu_has_native_bf16
+    from specdistill.core.hardware import cpu_has_native_bf16
 
     assert TargetConfig(name_or_path="x", dtype="auto").dtype == ("bfloat16" if cpu_has_native_bf16() else "float32")
 
 
 @pytest.mark.slow
 def test_real_smollm2_target_generates():
-    from specdistill.data.generation import GenerateConfig, generate_shard
+    from specdistill.core.data.generation import GenerateConfig, generate_shard
 
     t = load_target({"name_or_path": str(ROOT / "data/assets/target"),
                      "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "bfloat16"})
@@ -99,7 +99,7 @@ def test_real_smollm2_target_generates():
 def _dtypes_here_first() -> list:
     """The dtype this machine's stages load (`auto`: bf16 where the CPU computes it) in `make test`, the other in
     `make test-full`: the copy's code is the same for both, each load from the GGUF costs ~15 s."""
-    from specdistill.hardware import cpu_has_native_bf16
+    from specdistill.core.hardware import cpu_has_native_bf16
 
     here = "bfloat16" if cpu_has_native_bf16() else "float32"
     return [pytest.param(d, marks=[] if d == here else [pytest.mark.full]) for d in ("bfloat16", "float32")]
@@ -108,10 +108,10 @@ def _dtypes_here_first() -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", _dtypes_here_first())
 def test_the_dequantised_copy_loads_the_same_target_as_the_gguf(tmp_path, monkeypatch, dtype):
-    """The first load keeps a dequantised copy (models/dequantised.py); a later load reads it, and gets the same
+    """The first load keeps a dequantised copy (core/models/dequantised.py); a later load reads it, and gets the same
     weights, config, tokenizer, chat template, stop ids, fingerprint and logits as a load from the GGUF."""
-    from specdistill.models import dequantised
-    from specdistill.models.target import load_target_config, load_tokenizer
+    from specdistill.core.models import dequantised
+    from specdistill.core.models.target import load_target_config, load_tokenizer
 
     cfg = {"name_or_path": str(ROOT / "data/assets/target"), "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
            "dtype": dtype}

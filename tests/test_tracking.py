@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdistill.tracking import wandb_run
+from specdistill.core.tracking import wandb_run
 
 
 def cfg(tmp_path, **kw):
@@ -39,7 +39,7 @@ def test_disabled_logger_is_a_no_op(tmp_path):
 
 
 def test_a_run_is_named_after_its_stage_and_logs_a_folder_by_reference(tmp_path, monkeypatch):
-    from specdistill.tracking import log_folder
+    from specdistill.core.tracking import log_folder
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     model = tmp_path / "models/eagle"

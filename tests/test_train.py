@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdistill.errors import ConfigError
-from specdistill.records import read_record
+from specdistill.core.errors import ConfigError
+from specdistill.core.records import read_record
 from specdistill.stages import train as train_stage
 
 from .helpers.data import write_split
@@ -48,7 +48,7 @@ def test_on_policy_sources_train(tmp_path, tiny_target_dir, generated, source):
 @contextlib.contextmanager
 def killed_at(monkeypatch, step: int):
     """A context in which the draft's training raises at `step`, as a kill would stop it there."""
-    from specdistill.training.draft import DraftLMModule
+    from specdistill.methods.draft.training import DraftLMModule
 
     def crash(self, outputs, batch, batch_idx):
         if self.global_step == step:
@@ -113,7 +113,7 @@ def test_auto_precision_follows_the_cpu_and_is_recorded(tmp_path, tiny_target_di
                                                        precision):
     """trainer.precision=auto (conf's default): bf16 autocast only where the CPU has its kernels (emulated on AVX2,
     it made a 2-layer draft's step ~45 s); the record names the precision that ran, not `auto`."""
-    from specdistill import hardware
+    from specdistill.core import hardware
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
     res = train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.precision=auto",
@@ -183,7 +183,7 @@ def test_ddp_validation_equals_one_process(tmp_path, tiny_target_dir, tiny_token
     """A fixed draft validated by 2 gloo processes (3 and 2 batches, unequal tokens) gives the 1-process numbers."""
     from transformers import AutoModelForCausalLM
 
-    from specdistill.models.draft_lm import DraftSize, build_draft, save_draft
+    from specdistill.methods.draft.model import DraftSize, build_draft, save_draft
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     save_draft(build_draft(target, DraftSize("xs", num_layers=1), "random", seed=3).eval(), tmp_path / "fixed")
@@ -255,12 +255,12 @@ def test_every_train_item_of_dvc_yaml_is_a_method_config_and_trains(tmp_path, ti
     """Each train@<key> distills `methods.<key>` from `method=<key>` alone: no config in dvc.yaml. The separate
     draft's items train a step here (the heads have their own fixtures: test_medusa, test_eagle, test_dflash);
     draft_ce's data source needs the prepare stage's references, so its config is checked, not trained."""
-    import yaml
+    from .helpers.pipeline import items
 
-    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
-    assert spec["do"]["cmd"].endswith("method=${key}") and all("args" not in i for i in spec["foreach"].values())
+    trains = {name.split("@")[1]: item for name, item in items().items() if name.startswith("train@")}
+    assert all(item.cmd.endswith(f"method={key}") for key, item in trains.items())
     cfg = composed()
-    assert set(spec["foreach"]) <= set(cfg["methods"])
+    assert set(trains) == set(cfg["methods"])
     for key in ("draft", "draft_full"):
         res = train_stage.run(composed(*overrides(tmp_path / key, tiny_target_dir, generated, f"method={key}",
                                                   "+trainer.fast_dev_run=1")))

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdistill.decoding.eagle import EagleProposer, EagleTreeConfig
 from specdistill.decoding.loop import speculative_generate
-from specdistill.decoding.medusa import MedusaProposer
-from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.protocols import SamplingConfig
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.union import UnionProposer, merge
 from specdistill.decoding.verifier import TargetVerifier
-from specdistill.models.medusa_tree import grow_tree
+from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+from specdistill.methods.lookup.proposer import PromptLookupProposer
+from specdistill.methods.medusa.proposer import MedusaProposer
+from specdistill.methods.medusa.tree import grow_tree
 
 from .helpers.decoding import V, plain_greedy, tree_paths
 from .helpers.drafts import random_head, random_heads
@@ -98,7 +98,7 @@ def test_greedy_medusa_plus_lookup_equals_plain_greedy(target):
 
 
 def test_evaluate_stage_runs_eagle_with_a_lookup_branch(tmp_path, tiny_target_dir, monkeypatch):
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
     from specdistill.stages import evaluate as evaluate_stage
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="eagle_lookup", branch="lookup",
                             hf_baselines=False)
@@ -156,7 +156,7 @@ def test_any_companion_is_a_branch_or_a_row_beside(tmp_path, tiny_target_dir, mo
 
 def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic():
     from specdistill import methods
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
     from specdistill.stages.evaluate import EvalConfig, check_branch
 
     def check(method: str, decode: dict | None = None, **eval_keys) -> None:
@@ -177,7 +177,7 @@ def test_a_lookup_branch_is_allowed_wherever_the_methods_draft_is_deterministic(
 def test_prompt_lookups_own_item_keys_reach_its_record(tmp_path, tiny_target_dir, monkeypatch):
     """method=lookup with an item's decode keys: the draft, the positions counted and the record all use them (the
     record once showed decode.lookup's section, not the item's)."""
-    from specdistill.records import read_record
+    from specdistill.core.records import read_record
     from specdistill.stages import evaluate as evaluate_stage
     cfg = eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, name="lookup", method="lookup",
                             hf_baselines=False, temperatures=[0.0], decode={"k": 10, "branches": 2})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdistill.errors import ConfigError
+from specdistill.core.errors import ConfigError
 
 from .helpers.checkout import composed, snapshot, stage_run
 
@@ -85,7 +85,7 @@ OUTPUT_IN_THE_WAY = [  # item 5: a file where an output goes once failed only af
 @pytest.mark.parametrize("stage,path,kind,message", OUTPUT_IN_THE_WAY,
                          ids=[f"{c[0]}-{c[1]}" for c in OUTPUT_IN_THE_WAY])
 def test_an_output_path_in_the_way_fails_at_start(earlier_outputs, stage, path, kind, message):
-    from specdistill.outputs import OutputError
+    from specdistill.core.outputs import OutputError
 
     target = earlier_outputs / path
     if target.is_dir():

@@ -9,7 +9,7 @@ from .project import ROOT
 
 
 def composed(*overrides: str) -> dict:
-    from specdistill.config import register_resolvers
+    from specdistill.core.config import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):

@@ -10,8 +10,8 @@ import functools
 
 import torch
 
+from specdistill.core.sampling import sample, warp
 from specdistill.decoding.tree import DraftTree
-from specdistill.sampling import sample, warp
 
 V = 8  # bigram vocabulary
 

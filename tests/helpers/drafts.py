@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.models.dflash import DFlashConfig, DFlashDrafter, build_dflash
-from specdistill.models.draft_lm import DraftSize, build_draft
-from specdistill.models.eagle import EagleConfig, EagleHead, build_eagle
-from specdistill.models.hidden import HiddenTap
-from specdistill.models.medusa import build_medusa
+from specdistill.core.models.hidden import HiddenTap
+from specdistill.methods.dflash.model import DFlashConfig, DFlashDrafter, build_dflash
+from specdistill.methods.draft.model import DraftSize, build_draft
+from specdistill.methods.eagle.model import EagleConfig, EagleHead, build_eagle
+from specdistill.methods.medusa.model import build_medusa
 
 from .decoding import V
 

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from specdistill.models.eagle import save_eagle
+from specdistill.methods.eagle.model import save_eagle
 
 from .data import save_mtbench
 from .drafts import random_head
@@ -16,7 +16,7 @@ from .drafts import random_head
 def eagle_eval_config(tmp_path, tiny_target_dir, monkeypatch, **eval_overrides) -> dict:
     """A random EAGLE-3 head for the tiny target in tmp_path/models/eagle, and the evaluate stage's config for it
     (one MT-bench conversation, T = 0 and 1), run from tmp_path."""
-    from specdistill.models.target import TargetConfig, load_target
+    from specdistill.core.models.target import TargetConfig, load_target
     save_mtbench(tmp_path / "prompts")
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_dir), dtype="float32"))
     head = random_head(loaded.model, "eagle3", torch.arange(100))

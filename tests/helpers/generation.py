@@ -6,7 +6,7 @@ from pathlib import Path
 
 import datasets
 
-from specdistill.data.prompts import apply_template
+from specdistill.core.data.prompts import apply_template
 from specdistill.stages.prepare import save_split
 
 QUESTIONS = ["Write a poem about the sea.", "What is the capital of France?", "def add(a, b):",

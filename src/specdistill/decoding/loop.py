@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdistill.core.sampling import sample_logits, warp
 from specdistill.decoding.protocols import Proposer, SamplingConfig, Verifier
 from specdistill.decoding.tree import DraftTree
 from specdistill.decoding.verify import verify_greedy, verify_sampling
-from specdistill.sampling import sample_logits, warp
 
 
 @dataclass

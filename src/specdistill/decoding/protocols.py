@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
+from specdistill.core.sampling import sample, warp
 from specdistill.decoding.tree import DraftTree
-from specdistill.sampling import sample, warp
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def draft_token(logits: torch.Tensor, sampling: SamplingConfig,
 
 class Proposer(Protocol):
     """Drafts a tree after `context`. Heads that read the target's hidden states name them in
-    `feature_layers` (indices as in `models/hidden.py`); `features` then holds those states for the
+    `feature_layers` (indices as in `core/models/hidden.py`); `features` then holds those states for the
     context tokens committed since the previous call: the target states of context[:-1] arrive in
     order across calls (row i predicted the token after it), the last token's state comes next round."""
 

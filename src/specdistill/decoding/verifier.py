@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from specdistill.core.models.hidden import HiddenTap, Layer
+from specdistill.core.models.kv_cache import PreallocatedCache
 from specdistill.decoding.tree import DraftTree, tree_attention
-from specdistill.models.hidden import HiddenTap, Layer
-from specdistill.models.kv_cache import PreallocatedCache
 
 
 class TargetVerifier:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from specdistill.core.sampling import sample
 from specdistill.decoding.tree import DraftTree
-from specdistill.sampling import sample
 
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from specdistill import methods
-from specdistill.errors import ConfigError
+from specdistill.core.errors import ConfigError
 from specdistill.evaluation.prompts import check_eval_sets
 
 ABOVE_TAU = 1.1  # a speed-up above this times tau is flagged (noise allowance: tau is itself a sample mean)
@@ -41,7 +41,9 @@ class ServeConfig:
     ngram_max: int
     ngram_min: int
     export_dir: str
-    models: dict[str, str]  # method -> the trained folder our decoder runs for the agreement table
+    # serve@<method>: `engine`, the export the engine loads beside the target; `ours`, what our decoder reads to draft
+    # the same chain (the agreement table). dvc.yaml makes one item per key.
+    items: dict[str, dict[str, str]]
     timeout_s: int
     seed: int
     deploy_min_speedup: float  # a load's K goes into the deployed schedule only at this speed-up or more (else 0)
@@ -58,13 +60,22 @@ class ServeConfig:
             if not ok:
                 raise ConfigError(f"serve.{key}={value!r}: {rule}")
 
-        need(self.method in methods.names("serve"), "method", self.method, f"use one of {methods.names('serve')}")
+        methods.get(self.method, "serve", "serve.method")
+        need(self.method in self.items, "method", self.method, f"give serve.items.{self.method} (engine, ours) or "
+             f"use one of {sorted(self.items)}")
+        for key, item in self.items.items():
+            need(set(item) == {"engine", "ours"}, f"items.{key}", item, "a map with keys engine and ours")
         check_eval_sets(self.datasets, "serve.datasets")
         for key in ("temperatures", "concurrency", "k"):  # types and ranges: `section`; here what it cannot say
             need(bool(getattr(self, key)), key, getattr(self, key), "a non-empty list")
         need(self.agreement_k in self.k, "agreement_k", self.agreement_k, f"one of serve.k={self.k}")
         need(1 <= self.ngram_min <= self.ngram_max, "ngram_min", self.ngram_min, "in [1, serve.ngram_max]")
         need(self.dtype in (None, "float32", "bfloat16"), "dtype", self.dtype, "float32, bfloat16 or null")
+
+    @property
+    def models(self) -> dict[str, str]:
+        """method -> the folder our decoder reads (what a method's `agreement_proposer` finds by `trained_folder`)."""
+        return {key: item["ours"] for key, item in self.items.items()}
 
 
 def prompt_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
@@ -75,7 +86,7 @@ def prompt_requests(prompts: list[list[int]], concurrency: int) -> list[list[int
 
 def speculative_config(cfg: ServeConfig, k: int, draft_dir: str | None) -> dict[str, Any]:
     """vLLM's `speculative_config` for the method at K drafted tokens (the method's `engine` part)."""
-    return methods.get(cfg.method, "serve", "serve.method").engine(cfg, k, draft_dir)
+    return methods.get(cfg.method, "serve", "serve.method").speculative_config(cfg, k, draft_dir)
 
 
 def job(cfg: ServeConfig, target_dir: str, prompts: dict[str, list[list[int]]], stops: list[int], dtype: str,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdistill.errors import ConfigError
+from specdistill.core.errors import ConfigError
 
 SPLITS = ("test", "dev")
 # the prompt sets prepare writes that a draft is measured on: the two benchmarks, and `val`, the held-out prompts of

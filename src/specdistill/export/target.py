@@ -1,4 +1,4 @@
-"""The target as a plain HF safetensors folder (models/hf_folder.py) that a serving engine (vLLM, SGLang) loads.
+"""The target as a plain HF safetensors folder (core/models/hf_folder.py) that a serving engine (vLLM, SGLang) loads.
 
 Its `specdistill.json` names the fingerprint of the weights it came from, so a draft trained on another target is
 refused before the engine sees it.
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from specdistill.models.hf_folder import folder_info, hf_state, write_hf_folder
+from specdistill.core.models.hf_folder import folder_info, hf_state, write_hf_folder
 
 
 class ExportError(ValueError):
@@ -38,7 +38,7 @@ def exported_fingerprint(target_dir: str | Path) -> str | None:
 def target_identities(target_dir: str | Path) -> set[str]:
     """Every fingerprint a draft trained on these weights may carry: the source's (e.g. the GGUF it was exported
     from) and the folder's own (a draft trained with `target.name_or_path=<this folder>`)."""
-    from specdistill.models.target import TargetConfig, _fingerprint
+    from specdistill.core.models.target import TargetConfig, _fingerprint
 
     own = _fingerprint(TargetConfig(name_or_path=str(target_dir)), None)
     return {f for f in (exported_fingerprint(target_dir), own) if f}

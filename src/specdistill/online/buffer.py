@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from specdistill.data.datamodule import next_token_labels
+from specdistill.core.data.datamodule import next_token_labels
 from specdistill.online.recorder import RequestRecord
 
 

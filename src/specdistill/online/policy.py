@@ -11,7 +11,8 @@ from typing import ClassVar
 class OnlineConfig:
     method: str = "draft"  # draft (models/draft) | eagle (models/eagle)
     scenario: str = "code"  # code: a ShareGPT-distilled draft serves HumanEval | chat: held-out ShareGPT prompts
-    draft_path: str | None = None  # the offline draft; null: models/<method>
+    # method -> the offline draft it starts from (dvc.yaml makes an online@<method> item per key)
+    items: dict = field(default_factory=lambda: {"draft": "models/draft", "eagle": "models/eagle"})
     requests: int = 48  # the stream served while learning
     held_out: int = 16  # requests measured afterwards by the frozen and the online draft
     max_new_tokens: int = 48
@@ -47,8 +48,10 @@ class OnlineConfig:
     def __post_init__(self) -> None:
         from specdistill import methods
 
-        if self.method not in methods.names("online"):
-            raise ValueError(f"online.method={self.method!r}: use one of {methods.names('online')}")
+        methods.get(self.method, "online", "online.method")
+        if self.method not in self.items:
+            raise ValueError(f"online.method={self.method!r}: give its offline draft as online.items.{self.method} "
+                             f"or use one of {sorted(self.items)}")
         if self.scenario not in ("code", "chat"):
             raise ValueError(f"online.scenario={self.scenario!r}: use code or chat")
         if min(self.requests, self.update_every, self.steps, self.batch_size, self.window, self.patience) < 1:

@@ -2,7 +2,7 @@
 verifier judged, and keep distilling the draft on its rejections while it serves.
 
 The optimizer steps run through Lightning Fabric on the same Lightning module that trained the draft
-offline (`training/draft.py`, `training/eagle.py`), so the update uses the offline loss code:
+offline (`methods/draft/training.py`, `methods/eagle/training.py`), so the update uses the offline loss code:
 the separate draft learns from the target's stored top-k at the judged positions (no target
 forward), an EAGLE head from a live target pass over the buffered requests (it needs their states).
 The student trains in float32 and is deployed into the serving copy (the target's dtype) after each

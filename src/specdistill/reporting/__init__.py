@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from specdistill.core.records import rival_names
 from specdistill.methods import describe
-from specdistill.records import rival_names
 
 
 def settings(all_metrics: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
@@ -20,7 +20,8 @@ def settings(all_metrics: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str,
 def branch_of(settings: dict[str, Any]) -> str | None:
     """The companion an evaluate run verified as a branch of its method's tree (eval.branch), or None. Records
     written before eval.branch say `lookup_branch: true` (and, before it served every method, `eagle_lookup`)."""
-    return settings.get("branch") or ("lookup" if settings.get("lookup_branch", settings.get("eagle_lookup")) else None)
+    legacy = settings.get("lookup_branch", settings.get("eagle_lookup"))
+    return settings.get("branch") or ("lookup" if legacy else None)  # a record written before eval.branch
 
 
 def companion(name: str, settings: dict[str, Any]) -> tuple[str, str]:

@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from specdistill.records import read_record
+from specdistill.core.records import read_record
 
 
 def load_online(metrics_dir: Path, plots_dir: Path) -> dict[str, tuple[dict[str, Any], list[dict[str, float]]]]:

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from specdistill.records import read_records
+from specdistill.core.records import read_records
 
 
 def load_serving(metrics_dir: Path) -> dict[str, dict[str, Any]]:

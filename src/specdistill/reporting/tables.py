@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdistill.core.records import rival_names
 from specdistill.evaluation.accounting import expected_accepted_length
-from specdistill.methods import REGISTRY, describe
-from specdistill.records import rival_names
+from specdistill.methods import describe, find
 from specdistill.reporting import (
     alphas,
     branch_of,
@@ -45,7 +45,7 @@ def draft_label(metrics: dict[str, Any]) -> tuple[str, str]:
     words = describe(metrics)[1] + (f" + {companion(branch, s)[1]}" if branch else "") + depth_cap(s)
     words += f" ({s['draft_vocab']} tokens)" if s.get("draft_vocab") else ""
     trained = s.get("draft_training")
-    trains = getattr(REGISTRY.get(metrics["method"]), "build", None) is not None  # prompt lookup has nothing to train
+    trains = getattr(find(metrics["method"]), "build", None) is not None  # prompt lookup has nothing to train
     data = f"{trained['loss']} on {trained['data']}" if trained else "untrained" if trains else "–"
     return words, data
 

@@ -10,8 +10,8 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from specdistill.methods import describe_training
-from specdistill.records import read_records
+from specdistill.core.records import read_records
+from specdistill.methods import describe_training, trained_method
 
 
 def load_training(metrics_dir: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
@@ -67,7 +67,7 @@ def training_table(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def sweep_table(sweep: dict[str, dict[str, Any]]) -> list[str]:
-    rows = sorted(sweep.items(), key=lambda kv: (kv[1]["settings"]["method"].get("name", "draft"),
+    rows = sorted(sweep.items(), key=lambda kv: (trained_method(kv[1]["settings"]),
                                                  (kv[1]["settings"].get("draft") or {}).get("num_layers", 0),
                                                  kv[1]["settings"]["loss"]["name"]))
     return [*HEADER, *(_row(name, r) for name, r in rows)]
@@ -94,74 +94,3 @@ def alpha_curves(curves: dict[str, list[dict[str, float]]], path: Path, labels: 
         ax.plot(steps, [r["alpha_t0"] for r in rows], marker="s", linestyle="--", label=f"{label}: alpha at T=0")
     ax.set(xlabel="training step", ylabel="validation acceptance", title="Acceptance curves: val/alpha against step")
     finish(fig, ax, path, grid=True)
-
-def medusa_tables(runs: dict[str, dict[str, Any]], evaluated: dict[str, dict[str, Any]]) -> list[str]:
-    """Per-head accuracy, the trees grown from it, and exercises 3 and 4 (docs/definitions.md), from measurement."""
-    from specdistill.models.medusa_tree import cartesian_choices, expected_accepted
-
-    lines: list[str] = []
-    for name, r in runs.items():
-        if "trees" not in r:
-            continue
-        f, acc, k = r["final"], r["trees"]["acc"], r["settings"]["method"]["num_heads"]
-        lines += [f"### Medusa heads (`{name}`): per-head accuracy on the validation data", "",
-                  "Head k at position t against the target's top token at t+k (the token k+1 steps ahead); alpha is",
-                  "sum min(p, q) at temperature 1 over the full vocabulary.", "",
-                  "| head | predicts | top-1 | top-5 | alpha (T=1) |", "|---|---|---|---|---|"]
-        lines += [f"| {i} | x(t+{i + 1}) | {f[f'val/head{i}_top1']:.3f} | {f[f'val/head{i}_top5']:.3f} | "
-                  f"{f[f'val/head{i}_alpha']:.3f} |" for i in range(1, k + 1)]
-        lines += ["", "Trees grown from these accuracies (best-first by path probability, heads taken as independent):",
-                  "", "| nodes | depth | candidate sequences (leaves) | expected tau |", "|---|---|---|---|"]
-        for b, t in sorted(r["trees"]["trees"].items(), key=lambda kv: int(kv[0])):
-            choices = [tuple(c) for c in t["choices"]]
-            leaves = sum(1 for c in choices if not any(len(o) == len(c) + 1 and o[:-1] == c for o in choices))
-            lines.append(f"| {b} | {max(map(len, choices))} | {leaves} | {t['expected_tau']:.2f} |")
-        if k >= 3:
-            full = cartesian_choices(3, 3)
-            chosen = [tuple(c) for c in min(r["trees"]["trees"].values(), key=lambda t: len(t["choices"]))["choices"]]
-            lines += ["", "**Exercise 3** (3 heads, top-3 each): the full cartesian tree has 3^3 = 27 candidate "
-                      f"sequences and {len(full)} tree tokens (3 + 9 + 27), for an expected tau of "
-                      f"{1 + expected_accepted(full, acc):.2f} under the measured accuracies; the chosen tree spends "
-                      f"{len(chosen)} tokens for {1 + expected_accepted(chosen, acc):.2f}."]
-        lines += ["", *medusa_memory(r, runs, evaluated), ""]
-    return lines
-
-
-def medusa_memory(medusa: dict[str, Any], runs: dict[str, dict[str, Any]],
-                  evaluated: dict[str, dict[str, Any]]) -> list[str]:
-    """Exercise 4: the memory of the Medusa heads against the separate draft (parameters; bytes at bf16)."""
-    rows = ["**Exercise 4**, memory at bf16 (2 bytes a parameter): what each method adds to the target's 135M.", "",
-            "| method | parameters | bytes (bf16) | note |", "|---|---|---|---|"]
-    n = medusa["settings"]["draft_parameters"]
-    rows.append(f"| Medusa heads | {n / 1e6:.1f}M | {n * 2 / 2**20:.0f} MiB | "
-                f"{medusa['settings']['method']['num_heads']} heads, "
-                f"vocabulary {medusa['settings'].get('draft_vocab') or 'full'} |")
-    for name, r in runs.items():
-        if r["settings"]["method"].get("name", "draft") == "draft":
-            d = r["settings"]["draft_parameters"]
-            rows.append(f"| separate draft `{name}` | {d / 1e6:.1f}M | {d * 2 / 2**20:.0f} MiB | "
-                        "includes its own copy of the input embeddings (28M), "
-                        "which a deployment could share with the target |")
-    return rows
-
-
-def eagle_table(runs: dict[str, dict[str, Any]]) -> list[str]:
-    """Per-step acceptance of the EAGLE heads unrolled on their own states (validation, full vocabulary)."""
-    rows = {n: r for n, r in runs.items() if "variant" in r["settings"]["method"]}
-    if not rows:
-        return []
-    k = max(int(key.removeprefix("val/alpha_pos").removesuffix("_t0")) for r in rows.values()
-            for key in r["final"] if key.startswith("val/alpha_pos"))
-    head = " | ".join(f"step {i} (T=1 / T=0)" for i in range(1, k + 1))
-    lines = ["### EAGLE heads: acceptance per drafting step (validation)", "",
-             "Step k's alpha given steps 1..k-1 were accepted, each step fed the head's own state (the chain the",
-             "decoder drafts); coverage is the target's probability mass inside the draft vocabulary.", "",
-             f"| run | {head} | tau_sim K=4 (T=1 / T=0) | vocabulary coverage |", "|---|" + "---|" * (k + 2)]
-    for name, r in rows.items():
-        f = r["final"]
-        cells = " | ".join(f"{f.get(f'val/alpha_pos{i}', 0):.3f} / {f.get(f'val/alpha_pos{i}_t0', 0):.3f}"
-                           for i in range(1, k + 1))
-        cov = f.get("val/vocab_coverage")
-        lines.append(f"| {name} | {cells} | {f.get('val/tau_sim', 0):.2f} / {f.get('val/tau_sim_t0', 0):.2f} | "
-                      f"{'–' if cov is None else f'{cov:.3f}'} |")
-    return [*lines, ""]

@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from specdistill import methods
-from specdistill.config import section
+from specdistill.core.config import section
+from specdistill.core.hardware import environment
+from specdistill.core.io import atomic_path
+from specdistill.core.models.target import TargetConfig, load_target
+from specdistill.core.records import headline_of_evaluation, metrics_files, rival_names, write_record
+from specdistill.core.stage import ConfigError, check_outputs
+from specdistill.core.tracking import wandb_run
 from specdistill.decoding.union import UnionProposer
 from specdistill.evaluation.autotune import Capped, choose_depth
 from specdistill.evaluation.contention import Contention, busy_warning
 from specdistill.evaluation.prompts import SPLITS, chat_encoder, check_eval_sets, load_conversations, stratified_order  # noqa: F401
 from specdistill.evaluation.runner import hf_method, our_method, run_benchmark
-from specdistill.hardware import environment
-from specdistill.io import atomic_path
-from specdistill.models.target import TargetConfig, load_target
-from specdistill.records import headline_of_evaluation, metrics_files, rival_names, write_record
-from specdistill.stages.common import ConfigError, check_outputs
-from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -202,11 +202,11 @@ def check_branch(ecfg: EvalConfig, dec: Any) -> None:
     if not ecfg.branch:
         return
     method = methods.get(ecfg.method, "evaluate", "eval.method")
-    if method.sampled_chain is None:
+    if method.deterministic_branch is None:
         raise ConfigError(f"eval.branch={ecfg.branch} adds a companion's tree to the method's draft: set eval.method "
-                          f"to one of {[n for n in methods.names('evaluate') if methods.REGISTRY[n].sampled_chain]}"
+                          f"to one of {[n for n in methods.names('evaluate') if methods.find(n).deterministic_branch]}"
                           f", or eval.branch=null (method={ecfg.method} takes no branch)")
-    fix = method.sampled_chain(ecfg, dec)  # a chain sampled at T > 0 cannot merge with a deterministic tree
+    fix = method.deterministic_branch(ecfg, dec)  # a chain sampled at T > 0 cannot merge with a deterministic tree
     if fix and any(t > 0 for t in ecfg.temperatures):
         raise ConfigError(f"eval.branch={ecfg.branch} merges deterministic trees, but method={ecfg.method} "
                           f"drafts a chain by sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
@@ -239,12 +239,19 @@ def rival_item(cfg: dict[str, Any], ecfg: EvalConfig, rival: str) -> tuple[EvalC
     return rc, methods.decode_settings(cfg, rc.method, rc.decode)
 
 
+def items(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The evaluate items by `eval.name`: the `evals` entries, and `compare`, the head to head, which has a section
+    of its own (dvc.yaml's compare stage names its four models; a foreach item over evals cannot)."""
+    return {**(cfg.get("evals") or {}), **({"compare": cfg["compare"]} if cfg.get("compare") else {})}
+
+
 def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
     """The `eval` section with its item's keys over it (`evals.<eval.name or eval.method>`, the DVC item's
     config): an item's key wins over the shared section's, and the log says where it did."""
     shared = dict(cfg["eval"])
     key = shared.get("name") or shared.get("method")
-    item = dict((cfg.get("evals") or {}).get(key) or {})
+    item = items(cfg).get(key) or {}
+    item = {k: v for k, v in item.items() if k != "inputs"}  # what its DVC stage waits for: nothing the run reads
     for k in sorted(set(item) & set(shared)):
         if item[k] != shared[k] and k != "method":
             log.info("evals.%s.%s=%r over eval.%s=%r (set evals.%s.%s to change it)", key, k, item[k], k, shared[k],

@@ -1,6 +1,6 @@
 """export@<method>: engine-ready folders (DVC outputs) that vLLM and SGLang load as they are.
 
-`export@target` writes the target as an HF safetensors folder (a GGUF target dequantised: the engine cannot
+`export_target` writes the target as an HF safetensors folder (a GGUF target dequantised: the engine cannot
 serve the GGUF file) and `export@eagle` the trained EAGLE-3 head in the speculators format naming that folder as
 its verifier, so that `vllm serve models/export/eagle` (from the project root) serves target + draft with no flags.
 A draft that does not fit the exported target (another vocabulary, width, depth or fingerprint) is refused here,
@@ -17,11 +17,11 @@ from typing import Any, ClassVar
 import torch
 
 from specdistill import methods
-from specdistill.config import section
+from specdistill.core.config import section
+from specdistill.core.models.target import TargetConfig, load_target
+from specdistill.core.stage import ConfigError, check_outputs
+from specdistill.core.tracking import log_folder, wandb_run
 from specdistill.export.target import ExportError, export_target
-from specdistill.models.target import TargetConfig, load_target
-from specdistill.stages.common import ConfigError, check_outputs
-from specdistill.tracking import log_folder, wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     target_dir = Path(ecfg.dir) / "target"
     if ecfg.method != "target" and not (target_dir / "config.json").exists():
         raise ExportError(f"export@{ecfg.method} is checked against the exported target, and {target_dir} is missing: "
-                          f"run `dvc repro export@target` first")
+                          f"run `dvc repro export_target` first")
     with wandb_run(cfg.get("logger"), job_type="export", name=f"export@{ecfg.method}",
                    group=cfg.get("experiment_name", "default"), config=cfg) as run_:
         if ecfg.method == "target":

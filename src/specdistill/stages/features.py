@@ -1,5 +1,5 @@
 """features: the frozen target's hidden states and top-k once per training sequence, for EAGLE training
-with `distill.teacher=precomputed` (data/features.py says what a shard holds). Resumable by shard.
+with `distill.teacher=precomputed` (core/data/features.py says what a shard holds). Resumable by shard.
 
 `features.engine=own` runs the target here (HiddenTap, as the live path); `features.engine=vllm` has the serving
 engine compute the same rows (engine/features.py) into the same store, its name and version in the fingerprint."""
@@ -15,9 +15,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specdistill.config import section
-from specdistill.data.datamodule import DataConfig, DataError, kept_spans, load_split
-from specdistill.data.features import (
+from specdistill.core.config import section
+from specdistill.core.data.datamodule import DataConfig, DataError, kept_spans, load_split
+from specdistill.core.data.features import (
     DTYPES,
     MANIFEST,
     FeaturesConfig,
@@ -25,28 +25,22 @@ from specdistill.data.features import (
     store_fingerprint,
     write_shard,
 )
-from specdistill.data.generation import prepare_output
-from specdistill.engine.client import engine_version
-from specdistill.hardware import environment
-from specdistill.io import write_json
-from specdistill.models.hidden import default_feature_layers
-from specdistill.models.target import (
+from specdistill.core.data.generation import prepare_output
+from specdistill.core.hardware import environment
+from specdistill.core.io import write_json
+from specdistill.core.models.hidden import store_layers
+from specdistill.core.models.target import (
     TargetConfig,
     context_length,
     load_target,
     load_target_config,
     target_fingerprint,
 )
-from specdistill.stages.common import check_outputs
-from specdistill.tracking import wandb_run
+from specdistill.core.stage import check_outputs
+from specdistill.core.tracking import wandb_run
+from specdistill.engine.client import engine_version
 
 log = logging.getLogger(__name__)
-
-
-def default_layers(num_layers: int) -> list[int]:
-    """What the heads that read the store (EAGLE-3 and DFlash: fused layers; EAGLE-1: the last) read by default,
-    so one store serves them all."""
-    return sorted(set(default_feature_layers("eagle3", num_layers)) | set(default_feature_layers("eagle1", num_layers)))
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +64,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     target = load_target(tcfg) if fcfg.engine == "own" or tcfg.gguf_file else None
     config = target.config if target else load_target_config(tcfg)
     target_fp = target.fingerprint if target else target_fingerprint(tcfg)
-    layers = fcfg.layers or default_layers(config.num_hidden_layers)
+    layers = fcfg.layers or store_layers(config.num_hidden_layers)
     fingerprint = store_fingerprint(layers, fcfg.topk, fcfg.dtype, dcfg.max_length, target_fp,
                                     stamp.read_text().strip(), engine)
     prepare_output(out, fingerprint)  # keeps whole shards of the same fingerprint: a killed stage resumes

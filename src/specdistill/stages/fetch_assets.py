@@ -6,10 +6,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from specdistill.assets import AssetsConfig, fetch_all, parse_assets
-from specdistill.config import section
-from specdistill.stages.common import check_outputs
-from specdistill.tracking import wandb_run
+from specdistill.core.assets import AssetsConfig, fetch_all, parse_assets
+from specdistill.core.config import section
+from specdistill.core.stage import check_outputs
+from specdistill.core.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 

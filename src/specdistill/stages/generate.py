@@ -20,8 +20,8 @@ from typing import Any
 import datasets
 from tqdm.auto import tqdm
 
-from specdistill.config import section
-from specdistill.data.generation import (
+from specdistill.core.config import section
+from specdistill.core.data.generation import (
     GenerateConfig,
     GenerationError,
     count_tokens,
@@ -33,12 +33,9 @@ from specdistill.data.generation import (
     tokenise_prompts,
     write_shard,
 )
-from specdistill.engine.client import engine_version
-from specdistill.engine.generation import generate_with_engine
-from specdistill.export.target import export_target
-from specdistill.hardware import environment
-from specdistill.io import write_json
-from specdistill.models.target import (
+from specdistill.core.hardware import environment
+from specdistill.core.io import write_json
+from specdistill.core.models.target import (
     TargetConfig,
     context_length,
     load_target,
@@ -47,9 +44,12 @@ from specdistill.models.target import (
     stop_ids,
     target_fingerprint,
 )
-from specdistill.records import metrics_files, read_record, write_record
-from specdistill.stages.common import check_outputs
-from specdistill.tracking import wandb_run
+from specdistill.core.records import metrics_files, read_record, write_record
+from specdistill.core.stage import check_outputs
+from specdistill.core.tracking import wandb_run
+from specdistill.engine.client import engine_version
+from specdistill.engine.generation import generate_with_engine
+from specdistill.export.target import export_target
 
 log = logging.getLogger(__name__)
 

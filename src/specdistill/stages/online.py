@@ -20,21 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from specdistill import methods
-from specdistill.config import section
-from specdistill.decoding.verifier import TargetVerifier
-from specdistill.evaluation.prompts import load_prompts
-from specdistill.hardware import environment
-from specdistill.io import atomic_path
-from specdistill.models.target import TargetConfig, load_target
-from specdistill.online.policy import OnlineConfig
-from specdistill.online.server import OnlineDistiller, OnlineLog
-from specdistill.records import metrics_files, write_record
-from specdistill.stages.common import (
+from specdistill.core.config import section
+from specdistill.core.hardware import environment
+from specdistill.core.io import atomic_path
+from specdistill.core.models.target import TargetConfig, load_target
+from specdistill.core.records import metrics_files, write_record
+from specdistill.core.stage import (
     ConfigError,
     check_outputs,
     cross_limits,
 )
-from specdistill.tracking import wandb_run
+from specdistill.core.tracking import wandb_run
+from specdistill.decoding.verifier import TargetVerifier
+from specdistill.evaluation.prompts import load_prompts
+from specdistill.online.policy import OnlineConfig
+from specdistill.online.server import OnlineDistiller, OnlineLog
 from specdistill.training.losses import LossError, build_loss
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def offline_replay(cfg: dict[str, Any], ocfg: OnlineConfig, target: Any, module:
     """(an endless iterator over the offline training batches, a module with a live teacher sharing the student)."""
     import itertools
 
-    from specdistill.data.datamodule import DataConfig, DistillDataModule
+    from specdistill.core.data.datamodule import DataConfig, DistillDataModule
 
     dm = DistillDataModule(DataConfig(batch_size=ocfg.batch_size, seed=ocfg.seed), cfg["paths"]["generated_dir"],
                            cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer, pad_id=target.pad_id)
@@ -99,11 +99,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                             "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"},
                   files={"online.method": metrics_files(Path(cfg["paths"].get("metrics_dir", "metrics"))
                                                         / f"online_{ocfg.method}.json")},
-                  inputs={"online.draft_path": ocfg.draft_path or str(models_dir / ocfg.method)})
-    path = ocfg.draft_path or str(models_dir / ocfg.method)
+                  inputs={f"online.items.{ocfg.method}": ocfg.items[ocfg.method]})
+    path = ocfg.items[ocfg.method]
     if not Path(path).exists():
         raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` "
-                          "or set online.draft_path")
+                          f"or set online.items.{ocfg.method}")
     texts = request_prompts(Path(cfg["paths"]["prompts_dir"]), ocfg.scenario, ocfg.requests + ocfg.held_out)
     target = load_target(tcfg)
     tok = target.tokenizer

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from specdistill.config import section
-from specdistill.data.prompts import (
+from specdistill.core.config import section
+from specdistill.core.data.prompts import (
     PrepareConfig,
     PromptError,
     SourceConfig,
@@ -18,10 +18,10 @@ from specdistill.data.prompts import (
     read_datasets_source,
     read_sharegpt_json,
 )
-from specdistill.io import save_dataset, write_json
-from specdistill.models.target import TargetConfig, context_length, load_target_config, load_tokenizer
-from specdistill.stages.common import check_outputs
-from specdistill.tracking import wandb_run
+from specdistill.core.io import save_dataset, write_json
+from specdistill.core.models.target import TargetConfig, context_length, load_target_config, load_tokenizer
+from specdistill.core.stage import check_outputs
+from specdistill.core.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 

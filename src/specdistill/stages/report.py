@@ -6,11 +6,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from specdistill import methods
+from specdistill.core.io import atomic_path
+from specdistill.core.records import read_record
+from specdistill.core.stage import check_outputs
+from specdistill.core.tracking import wandb_run
 from specdistill.evaluation.contention import busy_lines
-from specdistill.io import atomic_path
-from specdistill.records import read_record
 from specdistill.reporting import figures, settings
 from specdistill.reporting.online import load_online, online_curves, online_tables
+from specdistill.reporting.series import write_series
 from specdistill.reporting.serving import load_serving, serving_figure, serving_tables
 from specdistill.reporting.summary import engine_summary, summary_table
 from specdistill.reporting.tables import (
@@ -24,15 +28,11 @@ from specdistill.reporting.tables import (
 from specdistill.reporting.training import (
     alpha_curves,
     curve_label,
-    eagle_table,
     load_curves,
     load_training,
-    medusa_tables,
     sweep_table,
     training_table,
 )
-from specdistill.stages.common import check_outputs
-from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ def render_training(runs: dict[str, Any], sweep: dict[str, Any], curves: dict[st
              *training_table(runs), ""]
     if curves:
         lines += ["![acceptance curves](alpha_curves.png)", ""]
-    lines += medusa_tables(runs, evaluated or {})
-    lines += eagle_table(runs)
+    lines += methods.training_tables(runs, evaluated or {})  # each method's own (Medusa's trees, EAGLE's steps)
     if sweep:
         lines += ["### Sweep: draft size x loss (`python pipelines/train.py -m draft=... loss=...`)", "",
                   *sweep_table(sweep), ""]
@@ -184,6 +183,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 online_curves(online, tmp / "online_curves.png")
             if curves:
                 alpha_curves(curves, tmp / "alpha_curves.png", {n: curve_label(n, runs[n]) for n in curves})
+            write_series(plots_dir, tmp / "series")  # what dvc.yaml's plots draw (`dvc plots show`)
             figures.acceptance_by_position(all_metrics, tmp / "acceptance_by_position.png")
             figures.speedup_bars(all_metrics, tmp / "speedup.png")
             figures.tau_vs_k(all_metrics, tmp / "tau_vs_k.png")

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from specdistill import methods
-from specdistill.config import section
+from specdistill.core.config import section
+from specdistill.core.hardware import environment
+from specdistill.core.io import atomic_path
+from specdistill.core.models.target import TargetConfig, load_target, load_tokenizer, stop_ids
+from specdistill.core.records import headline_of_serving, metrics_files, write_record
+from specdistill.core.stage import ConfigError, check_outputs
+from specdistill.core.tracking import wandb_run
 from specdistill.engine.client import SKIP_IDLE_DRAFTER, engine_python, run_engine, run_engines
 from specdistill.engine.serving import (
     AR_LAST,
@@ -37,12 +43,6 @@ from specdistill.engine.serving import (
 from specdistill.evaluation.contention import Contention, busy_warning, cpu_list, own_and_children_cpu_seconds
 from specdistill.evaluation.prompts import chat_encoder, load_conversations
 from specdistill.export.target import ExportError, exported_fingerprint
-from specdistill.hardware import environment
-from specdistill.io import atomic_path
-from specdistill.models.target import TargetConfig, load_target, load_tokenizer, stop_ids
-from specdistill.records import headline_of_serving, metrics_files, write_record
-from specdistill.stages.common import ConfigError, check_outputs
-from specdistill.tracking import wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                            Path(paths.get("plots_dir", "plots")) / name)
     check_outputs(cfg, replaced={"serve.method": plots},
                   files={"serve.method": metrics_files(metrics_file)})
-    target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.export_dir) / scfg.method
+    target_dir, draft_dir = Path(scfg.export_dir) / "target", Path(scfg.items[scfg.method]["engine"])
     method = methods.get(scfg.method, "serve", "serve.method")
-    drafted = method.export is not None  # ngram: nothing exported
-    for need, stage in ((target_dir, "export@target"), *(((draft_dir, f"export@{scfg.method}"),) if drafted else ())):
+    drafted = method.export is not None  # prompt lookup: nothing exported
+    for need, stage in ((target_dir, "export_target"), *(((draft_dir, f"export@{scfg.method}"),) if drafted else ())):
         if not (need / "config.json").exists():
             raise ExportError(f"serve@{scfg.method} needs {need}: run `dvc repro {stage}` first")
     scfg, skipped = servable_k(scfg, method, draft_dir)
@@ -162,7 +162,8 @@ def ours_beside_engine(scfg: ServeConfig, tcfg: TargetConfig, prompts: dict[str,
     k = scfg.agreement_k
     target = load_target(tcfg)
     stops = target.stop_ids
-    proposer = methods.get(scfg.method, "serve", "serve.method").ours(scfg, target, k)  # the same chain as the engine's
+    # our decoder on the same chain as the engine's
+    proposer = methods.get(scfg.method, "serve", "serve.method").agreement_proposer(scfg, target, k)
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
     out: dict[str, Any] = {}
     c1 = min(scfg.concurrency)

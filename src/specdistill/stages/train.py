@@ -24,15 +24,15 @@ from typing import Any, ClassVar
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from specdistill import methods
-from specdistill.config import section
-from specdistill.data.datamodule import DataConfig, DataError, DistillDataModule
-from specdistill.data.features import check_store
-from specdistill.hardware import auto_precision, environment
-from specdistill.io import config_hash
-from specdistill.models.target import TargetConfig, load_target
-from specdistill.records import headline_of_training, metrics_files, write_record
-from specdistill.stages.common import ConfigError, check_outputs
-from specdistill.tracking import lightning_logger, log_folder
+from specdistill.core.config import section
+from specdistill.core.data.datamodule import DataConfig, DataError, DistillDataModule
+from specdistill.core.data.features import check_store
+from specdistill.core.hardware import auto_precision, environment
+from specdistill.core.io import config_hash
+from specdistill.core.models.target import TargetConfig, load_target
+from specdistill.core.records import headline_of_training, metrics_files, write_record
+from specdistill.core.stage import ConfigError, check_outputs
+from specdistill.core.tracking import lightning_logger, log_folder
 from specdistill.training.base import build_optimizer
 from specdistill.training.checkpoints import CheckpointDir, readable_checkpoint, resume_point  # noqa: F401
 from specdistill.training.losses import LossError, build_loss
@@ -84,7 +84,7 @@ def run(cfg: dict[str, Any], job: Job | None = None) -> dict[str, Any]:
     stops, pad_id = target.stop_ids, target.pad_id
     common = dict(loss=c.loss, optimizer=c.optimizer, scheduler=c.scheduler, teacher=c.distill.teacher,
                   tau_k=c.distill.tau_k, max_k=c.distill.max_k)
-    built = c.method.build(c.mcfg, c.size, c.data, cfg, target, datamodule, stops, pad_id, common)
+    built = c.method.build(methods.TrainContext(c.mcfg, c.size, c.data, cfg, target, datamodule, stops, pad_id, common))
     module = built.module
     stamp = config_hash({"method": asdict(c.mcfg), "draft": asdict(c.size) if c.size else None,
                          "loss": asdict(c.lcfg), "distill": cfg["distill"], "trainer": c.trainer,
@@ -236,7 +236,7 @@ def check_teacher(key: str, method: Any, dist: DistillConfig, dcfg: DataConfig, 
                           f"and distill.data.source=target or dataset (got {dcfg.source})")
     if dist.teacher == "precomputed" and (not method.precomputed or dcfg.source != "target"):
         raise ConfigError(f"distill.teacher=precomputed reads the features stage's store, made for EAGLE heads "
-                          f"(method={'/'.join(n for n in methods.names('train') if methods.REGISTRY[n].precomputed)}) "
+                          f"(method={'/'.join(n for n in methods.names('train') if methods.find(n).precomputed)}) "
                           f"on the generate stage's answers (distill.data.source=target); "
                           f"got method={key}, source={dcfg.source}: use distill.teacher=live")
     if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
@@ -311,8 +311,8 @@ def record(c: Checked, cfg: dict[str, Any], final: dict[str, float], steps: int,
         settings["prompt_mix"] = {"code_fraction": code_fraction}
     if c.mcfg.init_from:  # only then: a run from scratch keeps its settings as they were
         settings["lineage"] = lineage(c.mcfg.init_from)
-    if hasattr(module, "trees"):  # Medusa: the per-rank accuracies and the trees grown from them
-        result["trees"] = module.trees()
+    if built.record is not None:  # the method's own fields (Medusa: its trees)
+        result.update(built.record())
     return result
 
 

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import MeanMetric, Metric
 
-from specdistill.models.vocab import target_to_draft, to_target_logits
+from specdistill.core.models.vocab import target_to_draft, to_target_logits
 from specdistill.training.losses import Divergence, Teacher
 from specdistill.training.metrics import AcceptanceMetric
 
@@ -38,7 +38,7 @@ def build_optimizer(spec: dict[str, Any], key: str, probe: bool = True) -> Calla
     (`lr=fast`) fails at start, before any checkpoint is touched; the error names the key."""
     import hydra.utils
 
-    from specdistill.errors import ConfigError
+    from specdistill.core.errors import ConfigError
 
     for arg, value in spec.items():  # each argument named: `lr=fast` once named only its section
         if arg.startswith("_"):
@@ -101,7 +101,7 @@ class DistillModule(pl.LightningModule):
         """[N, V_student] logits at the loss positions."""
         raise NotImplementedError
 
-    # --- a reduced student vocabulary (models/vocab.py) ----------------------------------------------
+    # --- a reduced student vocabulary (core/models/vocab.py) ----------------------------------------------
     def use_draft_vocab(self, d2t: torch.Tensor | None) -> None:
         """The student's head scores `d2t`'s target ids only (None: the target's whole vocabulary)."""
         vocab = self.target.get_output_embeddings().weight.shape[0]
@@ -274,7 +274,7 @@ def features_and_teacher(module: DistillModule, batch: dict[str, torch.Tensor], 
     """(the target's fused features [B, T, F] at `layers`, the target at the scored positions) for a head on the
     frozen target's states (EAGLE, DFlash): from the features stage's store when the batch carries it (`stored`:
     where `layers` sit among the stored ones; no target pass), else from the frozen target, live."""
-    from specdistill.models.hidden import HiddenTap
+    from specdistill.core.models.hidden import HiddenTap
 
     mask = batch["loss_mask"]
     if "features" in batch and stored is not None:

@@ -11,9 +11,9 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from specdistill.errors import ConfigError
-from specdistill.io import has_stamp
-from specdistill.outputs import check_replaceable
+from specdistill.core.errors import ConfigError
+from specdistill.core.io import has_stamp
+from specdistill.core.outputs import check_replaceable
 
 log = logging.getLogger(__name__)
 

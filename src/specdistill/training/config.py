@@ -14,3 +14,6 @@ class MethodConfigBase:
 
     init_from: str | None = None  # a saved draft/heads folder to start from (continue, or validate with max_steps=0)
     trainer: dict[str, Any] = field(default_factory=dict)  # over the `trainer` section for this method only
+    # the folder train@<m> waits for besides the generated answers (dvc.yaml's item reads it): the features store
+    # for a head that reads it (teacher: precomputed), the prompts for a run on the source's own answers
+    inputs: str = "data/generated"

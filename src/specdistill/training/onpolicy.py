@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specdistill.data.datamodule import next_token_labels
+from specdistill.core.data.datamodule import next_token_labels
 
 
 @torch.no_grad()

@@ -6,8 +6,8 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from specdistill.io import atomic_path
-from specdistill.models.heads_io import read_settings
+from specdistill.core.io import atomic_path
+from specdistill.core.models.heads_io import read_settings
 
 
 def lineage(init_from: str) -> list[dict[str, Any]]:

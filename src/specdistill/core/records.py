@@ -1,0 +1,84 @@
+"""Metrics files a terminal can read: the headline numbers in `metrics/<name>.json`, the whole record beside them.
+
+`dvc metrics show` and `dvc exp show` print every number of every declared metrics file as a column, so records
+that carried their settings, environment, per-shard timings and every result cell made lines of ~45,000
+characters. A stage therefore writes two files:
+
+- `metrics/<name>.json`: the few numbers one compares across runs and experiments (declared `metrics:` in
+  dvc.yaml), e.g. tau and the speed-up per dataset and temperature;
+- `metrics/records/<name>.json`: the whole record, settings included (a plain output), which the report, resumes
+  and the tests read.
+
+A record written before the split is its own headline file: `read_record` reads either.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from specdistill.core.io import write_json
+
+RECORDS = "records"
+
+
+def record_path(metrics_file: Path) -> Path:
+    """Where the whole record of the headline file `metrics_file` lives."""
+    return metrics_file.parent / RECORDS / metrics_file.name
+
+
+def metrics_files(metrics_file: Path) -> list[Path]:
+    """The two files a stage writes for one metrics file: its headline and its record (for `check_outputs`)."""
+    return [metrics_file, record_path(metrics_file)]
+
+
+def write_record(metrics_file: Path, record: dict[str, Any], headline: dict[str, Any]) -> None:
+    """The record, then its headline (each replaced whole): a reader never sees a headline without its record."""
+    write_json(record_path(metrics_file), record)
+    write_json(metrics_file, headline)
+
+
+def read_record(metrics_file: Path) -> dict[str, Any]:
+    """The whole record behind a headline file (or the file itself, written before the split)."""
+    full = record_path(metrics_file)
+    return json.loads((full if full.exists() else metrics_file).read_text())
+
+
+def read_records(metrics_dir: Path, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """{stem: record} of the headline files `metrics_dir/<prefix>*.json`, in name order."""
+    return {f.stem: read_record(f) for f in sorted(metrics_dir.glob(f"{prefix}*.json"))}
+
+
+def rival_names(settings: dict[str, Any] | None) -> list[str]:
+    """The rivals (eval.rivals) a run recorded, in the order the config listed them: records are written with sorted
+    keys, so each rival carries its place (`order`; records before it: their keys' order)."""
+    rivals = (settings or {}).get("rivals") or {}
+    return sorted(rivals, key=lambda r: rivals[r].get("order", 0))
+
+
+def headline_of_evaluation(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Per dataset and temperature: the speculative row's tau and speed-up over AR, and each rival's (eval.rivals)
+    under its item's name."""
+    out: dict[str, Any] = {}
+    rivals = rival_names(metrics.get("settings"))
+    head = lambda row: {k: row[k] for k in ("tau", "speedup") if k in row}  # noqa: E731
+    for ds, temps in metrics["results"].items():
+        for temp, rows in temps.items():
+            out.setdefault(ds, {})[temp] = {**head(rows.get("spec", {})),
+                                            **{r: head(rows[r]) for r in rivals if r in rows}}
+    return out
+
+
+def headline_of_training(result: dict[str, Any]) -> dict[str, Any]:
+    """The validation acceptance at T=1 and T=0 and the simulated tau at T=0."""
+    f = result["final"]
+    keys = {"val/alpha": "alpha", "val/alpha_t0": "alpha_t0", "val/tau_sim_t0": "tau_sim_t0"}
+    return {short: round(f[k], 4) for k, short in keys.items() if k in f}
+
+
+def headline_of_serving(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Per concurrency, the speed-up over the engine alone that the deployed schedule served (the K chosen per
+    load, speculation off where none paid); the best single K's where no schedule was served."""
+    deployed = (metrics.get("deploy") or {}).get("speedup_geomean") or {}
+    return {c: deployed.get(c, chosen["speedup_geomean"]) for c, chosen in metrics["chosen_k"].items()}

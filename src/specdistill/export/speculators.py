@@ -1,0 +1,64 @@
+"""What every speculators-format export shares (EAGLE-3, DFlash, and Medusa's target check): the config's opening
+fields, the RoPE settings engines read, and the refusal of a draft its exported target cannot serve."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from specdistill.export.target import ExportError, exported_fingerprint, target_identities
+
+SPECULATORS_VERSION = "0.9.0"
+
+
+def _relative_to_project(path: Path) -> str:
+    path = path.resolve()
+    root = Path.cwd().resolve()
+    return os.path.relpath(path, root) if root in path.parents else str(path)
+
+
+def check_against_target(cfg: Any, target_dir: Path) -> dict[str, Any]:
+    """The exported target's config, after refusing a draft it cannot serve (before any engine sees it)."""
+    if not (target_dir / "config.json").exists():
+        raise ExportError(f"no exported target at {target_dir} (config.json missing): run the export stage for the "
+                          f"target first (`dvc repro export_target`)")
+    t = json.loads((target_dir / "config.json").read_text())
+    for ours, theirs in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                         ("target_num_layers", "num_hidden_layers")):
+        if getattr(cfg, ours, None) is not None and getattr(cfg, ours) != t.get(theirs):
+            raise ExportError(f"the draft was trained for a target with {theirs}={getattr(cfg, ours)}, the target at "
+                              f"{target_dir} has {t.get(theirs)}: export the target it was trained on")
+    trained_on = getattr(cfg, "target_fingerprint", None)
+    if trained_on and exported_fingerprint(target_dir) and trained_on not in target_identities(target_dir):
+        raise ExportError(f"the draft was trained on target {trained_on[:24]}..., the folder {target_dir} holds "
+                          f"{exported_fingerprint(target_dir)[:24]}...: it reads that target's hidden states, so "
+                          f"serve it with its own target")
+    return t
+
+
+def rope_parameters(cfg: Any, target_config: dict[str, Any]) -> dict[str, Any]:
+    """The draft's RoPE settings (its own, else the target's), with the theta and type engines read."""
+    rope = dict(cfg.rope_parameters or target_config.get("rope_parameters") or {})
+    if "rope_theta" not in rope and target_config.get("rope_theta") is not None:
+        rope["rope_theta"] = target_config["rope_theta"]
+    rope.setdefault("rope_type", "default")
+    return rope
+
+
+def speculators_header(algorithm: str, architecture: str, k: int, target_dir: Path, target_config: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """What every speculators config opens with: its type and version, and the proposal and verifier it names."""
+    return {
+        "speculators_model_type": algorithm,
+        "speculators_version": SPECULATORS_VERSION,
+        "architectures": [architecture],
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": _relative_to_project(target_dir),
+                         "architectures": list(target_config.get("architectures") or ["LlamaForCausalLM"])},
+        },
+    }
