@@ -59,13 +59,17 @@ def test_every_experiment_composes_into_valid_sections(experiment):
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_dspark_is_dflash_with_a_markov_head_in_every_experiment(experiment):
-    """The A/B of stage compare: whatever an experiment sets for methods.dflash, methods.dspark follows (but the head
-    and where it starts from)."""
+def test_dspark_and_xpress_are_dflash_with_a_head_in_every_experiment(experiment):
+    """The A/B of stage compare: whatever an experiment sets for methods.dflash, methods.dspark and methods.xpress
+    follow (but the head, how it trains and where it starts from)."""
     methods = composed(f"experiment={experiment}")["methods"]
     differ = {k for k in methods["dflash"].keys() | methods["dspark"].keys()
               if methods["dflash"].get(k) != methods["dspark"].get(k)}
     assert differ <= {"markov_rank", "init_from"} and methods["dspark"]["markov_rank"] > 0, differ
+    xpress = {k for k in methods["dflash"].keys() | methods["xpress"].keys()
+              if methods["dflash"].get(k) != methods["xpress"].get(k)}  # XPress: the refiner and how it trains
+    assert xpress <= {"refiner_rank", "refiner_mlp_ratio", "consistency_passes", "consistency_weight", "base_weight",
+                      "init_from"} and methods["xpress"]["refiner_rank"] > 0, xpress
 
 
 def test_required_experiments_exist():

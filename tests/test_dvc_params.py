@@ -40,8 +40,10 @@ EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluat
     ("decode.medusa.budget", {"evaluate@medusa"}),
     # online drafts over the same section; compare runs EAGLE-3 and EAGLE-3.1 beside DFlash
     ("decode.eagle.tree.total_tokens", EAGLE_EVALS | {"online@eagle", "compare"}),
-    ("decode.dflash.k", {"evaluate@dflash", "evaluate@dspark", "evaluate@dspark_auto", "compare"}),  # and a rival
+    ("decode.dflash.k", {"evaluate@dflash", "evaluate@dspark", "evaluate@dspark_auto", "evaluate@xpress",
+                         "compare"}),  # and a rival
     ("methods.dspark.markov_rank", {"train@dspark"}),
+    ("methods.xpress.refiner_rank", {"train@xpress"}),
     ("evals.dspark.decode.path", {"evaluate@dspark", "compare"}),
     ("evals.dspark_auto.depth", {"evaluate@dspark_auto", "compare"}),  # a rival in its chosen shape
     ("evals.eagle31.decode.path", {"evaluate@eagle31", "compare"}),

@@ -286,10 +286,11 @@ def test_export_and_serve_stages(served, tmp_path, monkeypatch, case):
               f"paths.metrics_dir={tmp_path}/metrics", f"paths.plots_dir={tmp_path}/plots", "logger=none",
               "target=hf", f"target.name_or_path={served['target']}", "target.dtype=float32", "target.device=cpu"]
     for what in ("target", method) if method != "lookup" else ("target",):
-        export_stage.run(composed(*common, f"export.method={what}", f"export.models.eagle={served['tmp']}/models/eagle",
-                                  f"export.models.draft={served['tmp']}/models/draft_full",
-                                  f"export.models.medusa={served['tmp']}/models/medusa",
-                                  f"export.models.dflash={served['tmp']}/models/dflash"))
+        export_stage.run(composed(*common, f"export.method={what}",
+                                  f"export.items.eagle.model={served['tmp']}/models/eagle",
+                                  f"export.items.draft.model={served['tmp']}/models/draft_full",
+                                  f"export.items.medusa.model={served['tmp']}/models/medusa",
+                                  f"export.items.dflash.model={served['tmp']}/models/dflash"))
     # the deployed schedule (a third start, at both loads) and ar_bracket (a fourth, the engine alone again) are the
     # same code for every method: eagle-scheduled runs them, the others start the engine twice (alone, then K = 2)
     m = serve_stage.run(composed(*common, f"serve.method={method}", "serve.k=[2]", "serve.agreement_k=2",

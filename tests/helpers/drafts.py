@@ -35,10 +35,11 @@ def target_features(target, ids, layers):
     return tap.concat()
 
 
-def random_drafter(target, d2t=None, block=5, seed=0, scale=0.2, markov_rank=0) -> DFlashDrafter:
-    """A 2-layer DFlash block drafter with random weights over EAGLE-3's layers (with a Markov head: DSpark)."""
+def random_drafter(target, d2t=None, block=5, seed=0, scale=0.2, markov_rank=0, refiner_rank=0) -> DFlashDrafter:
+    """A 2-layer DFlash block drafter with random weights over EAGLE-3's layers (with a Markov head: DSpark; with a
+    causal refiner: XPress)."""
     drafter = build_dflash(target, EAGLE_LAYERS["eagle3"], num_layers=2, block_size=block, mask_token_id=1, d2t=d2t,
-                           seed=seed, markov_rank=markov_rank)
+                           seed=seed, markov_rank=markov_rank, refiner_rank=refiner_rank)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in drafter.parameters():
@@ -79,11 +80,11 @@ def bigram_head() -> EagleHead:
     return head.eval()
 
 
-def bigram_drafter(block: int = 4, markov_rank: int = 0) -> DFlashDrafter:
+def bigram_drafter(block: int = 4, markov_rank: int = 0, refiner_rank: int = 0) -> DFlashDrafter:
     """A random drafter over the bigram vocabulary (`V`), for FeatureBigramVerifier's one-hot states."""
     cfg = DFlashConfig(hidden_size=V, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                        num_layers=1, block_size=block, vocab_size=V, feature_layers=[1], max_position_embeddings=64,
-                       markov_rank=markov_rank)
+                       markov_rank=markov_rank, refiner_rank=refiner_rank)
     g = torch.Generator().manual_seed(0)
     embed = torch.nn.Embedding(V, V)
     drafter = DFlashDrafter(cfg, embed)

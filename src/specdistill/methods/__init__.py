@@ -20,8 +20,9 @@ declare (each optional; a stage refuses a method without its part, listing those
 
 The built-in methods (`BUILT_IN`) are registered when a stage first asks for one, by importing its folder
 (`methods/<m>/`: registration, model, Lightning module, proposer, export, report tables): draft (a separate small
-LM), medusa, eagle (EAGLE-1, -3 and -3.1 by its settings), dflash (and DSpark), lookup (prompt lookup: ours, and
-the engine's when served) and suffix (suffix decoding).
+LM), medusa, eagle (EAGLE-1, -3 and -3.1 by its settings), dflash (DSpark and XPress by its settings), lookup
+(prompt lookup: ours, and the engine's when served) and suffix (suffix decoding). A method that builds on another
+(DSpark and XPress on DFlash) lives in that method's folder: an item watches one method folder (dvc.yaml).
 
 Loaded by name: a stage that asks for one method imports that method's folder only, so an edit to Medusa's
 training touches no other method's items; a listing (`names`, `companions`, `all_methods`) loads them all. This
@@ -239,7 +240,7 @@ def trained_folder(stage_cfg: Any, name: str, where: str) -> str:
     our decoder runs beside the engine)."""
     folder = (getattr(stage_cfg, "models", None) or {}).get(name)
     if not folder:
-        key = f"{where}.items.{name}.ours" if where == "serve" else f"{where}.models.{name}"
+        key = f"{where}.items.{name}.{'ours' if where == 'serve' else 'model'}"
         raise ConfigError(f"{key} is not set: give the folder train@{name} writes (e.g. {key}=models/{name})")
     return str(folder)
 

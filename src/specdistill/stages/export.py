@@ -33,13 +33,31 @@ class ExportConfig:
     method: str
     dir: str
     dtype: str | None
-    models: dict[str, str]  # method -> the trained folder its export reads (conf/export/default.yaml)
+    # export@<key> (dvc.yaml makes one per key): `method`, the registered method that exports it; `model`, the
+    # trained folder it reads (conf/export/default.yaml)
+    items: dict[str, dict[str, str]]
     num_speculative_tokens: int
     RANGES: ClassVar[dict[str, str]] = {"num_speculative_tokens": "[1, 16]"}  # checked by `section`
 
+    @property
+    def registered(self) -> str:
+        """The registered method that exports this item."""
+        return self.items[self.method]["method"]
+
+    @property
+    def models(self) -> dict[str, str]:
+        """method -> the trained folder it exports (what a method's export finds by `trained_folder`): this item's."""
+        return {} if self.method == "target" else {self.registered: self.items[self.method]["model"]}
+
     def __post_init__(self) -> None:
-        if self.method != "target":  # the target itself, or a registered method's engine-ready export
-            methods.get(self.method, "export", "export.method")
+        for key, item in self.items.items():
+            if set(item) != {"method", "model"}:
+                raise ConfigError(f"export.items.{key}={item!r}: a map with keys method and model")
+        if self.method != "target":  # the target itself, or an item's engine-ready export
+            if self.method not in self.items:
+                raise ConfigError(f"export.method={self.method!r}: use target or one of {sorted(self.items)} "
+                                  f"(export.items)")
+            methods.get(self.registered, "export", f"export.items.{self.method}.method")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"export.dtype={self.dtype!r}: use one of {sorted(DTYPES)} or null (the target's)")
 
@@ -61,7 +79,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                           dtype=DTYPES[ecfg.dtype or tcfg.dtype])
             log.info("wrote %s (serve it: `vllm serve %s`, or with a draft: export@<method>)", out, out)
         else:  # the method loads the target only if its export needs it
-            methods.get(ecfg.method, "export", "export.method").export(ecfg, out, target_dir, lambda: load_target(tcfg))
-            log.info("wrote %s (serve it beside the target: serve@%s)", out, ecfg.method)
+            method = methods.get(ecfg.registered, "export", f"export.items.{ecfg.method}.method")
+            method.export(ecfg, out, target_dir, lambda: load_target(tcfg))
+            log.info("wrote %s (serve@%s serves it beside the target, where the engine runs its method)", out,
+                     ecfg.method)
         log_folder(run_, out, f"export@{ecfg.method}")
     return {"export": str(out)}

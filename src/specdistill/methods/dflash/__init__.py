@@ -2,7 +2,10 @@
 features as injected keys and values and draft a block of block_size - 1 tokens in one forward; drafted as a chain
 or a small tree of each slot's top tokens; served by vLLM (`method: dflash`) from the speculators-format export.
 With `markov_rank` > 0 it is DSpark's semi-autoregressive drafter (Cheng et al., 2026): the same block plus a
-low-rank Markov head, a bias on each slot from the token before it (`methods.dspark`; not served by vLLM 0.32)."""
+low-rank Markov head, a bias on each slot from the token before it (`methods.dspark`; not served by vLLM 0.32).
+With `refiner_rank` > 0 it is XPress (arXiv 2608.02438): the same block plus a causal refiner, a bias on each slot
+from the tokens before it in the block and the block's states (`methods.xpress`; exported in speculators' xpress
+format, which vLLM 0.32 does not serve)."""
 
 from __future__ import annotations
 
@@ -28,10 +31,17 @@ class DFlashMethodConfig(MethodConfigBase):
     step_weights: str = "decay"  # decay: the exponential above | dpace: D-PACE weights per anchor (dpace_alpha)
     dpace_alpha: float = 0.5
     markov_rank: int = 0  # DSpark's Markov head: rank of the bias from the token before each slot (0: plain DFlash)
+    refiner_rank: int = 0  # XPress's causal refiner: its rank (0: none); one of the two heads at most
+    refiner_mlp_ratio: int = 2  # the refiner's MLP width over its rank (the released XPress checkpoints: 2)
+    consistency_passes: int = 0  # XPress: free-running rounds trained beside the teacher-forced one
+    consistency_weight: float = 0.0  # their loss weight (shared among the rounds)
+    base_weight: float = 0.0  # XPress: the weight of the block's own loss, without the refiner's bias
     init_layers: str = "last"  # the target's layers the drafter's start from: last | first | random
     teacher: str | None = None  # over distill.teacher for this method: live | precomputed (the features stage's store)
     RANGES: ClassVar[dict[str, str]] = {"num_layers": "[1, 16]", "block_size": "[2, 64]", "feature_layers": "[0, inf)",
-                                        "markov_rank": "[0, 4096]",
+                                        "markov_rank": "[0, 4096]", "refiner_rank": "[0, 4096]",
+                                        "refiner_mlp_ratio": "[1, 16]", "consistency_passes": "[0, 16]",
+                                        "consistency_weight": "[0, inf)", "base_weight": "[0, inf)",
                                         "vocab_size": "[2, inf)", "mask_token_id": "[0, inf)", "anchors": "[1, inf)",
                                         "gamma": "(0, inf)", "dpace_alpha": "(0, 1]"}
     STEP_WEIGHTS = ("decay", "dpace")
@@ -49,6 +59,12 @@ def check(mcfg: DFlashMethodConfig) -> None:
         raise ConfigError(f"methods.dflash.step_weights={mcfg.step_weights!r}: use one of {mcfg.STEP_WEIGHTS}")
     if mcfg.init_layers not in INIT_LAYERS:
         raise ConfigError(f"methods.{mcfg.name}.init_layers={mcfg.init_layers!r}: use one of {INIT_LAYERS}")
+    if mcfg.markov_rank and mcfg.refiner_rank:
+        raise ConfigError(f"methods.{mcfg.name}: markov_rank={mcfg.markov_rank} (DSpark) and refiner_rank="
+                          f"{mcfg.refiner_rank} (XPress) both set: a drafter has one head, set the other to 0")
+    if (mcfg.consistency_passes or mcfg.base_weight) and not mcfg.refiner_rank:
+        raise ConfigError(f"methods.{mcfg.name}.consistency_passes / base_weight train XPress's refiner, and "
+                          "refiner_rank is 0: set refiner_rank, or leave them at 0")
 
 
 def mask_token(mcfg: DFlashMethodConfig, tokenizer: Any, stops: set[int]) -> int:
@@ -73,10 +89,11 @@ def build(ctx: TrainContext) -> Built:
     cfg, target, datamodule, stops, common = ctx.cfg, ctx.target, ctx.datamodule, ctx.stops, ctx.module_args
     if mcfg.init_from:
         drafter = load_dflash(mcfg.init_from, target.model, target_fingerprint=target.fingerprint)
-        if drafter.cfg.markov_rank != mcfg.markov_rank:  # else the record would name a head the run does not train
-            raise ConfigError(f"methods.{mcfg.name}.init_from={mcfg.init_from} holds a drafter with markov_rank="
-                              f"{drafter.cfg.markov_rank}, and this method sets {mcfg.markov_rank}: start from a "
-                              "drafter with the same head, or set init_from=null")
+        for head in ("markov_rank", "refiner_rank"):  # else the record would name a head the run does not train
+            if getattr(drafter.cfg, head) != getattr(mcfg, head):
+                raise ConfigError(f"methods.{mcfg.name}.init_from={mcfg.init_from} holds a drafter with {head}="
+                                  f"{getattr(drafter.cfg, head)}, and this method sets {getattr(mcfg, head)}: start "
+                                  "from a drafter with the same head, or set init_from=null")
         drafter = drafter.float().train().requires_grad_(True)
     else:
         d2t = None
@@ -86,10 +103,13 @@ def build(ctx: TrainContext) -> Built:
         drafter = build_dflash(target.model, mcfg.layers(target.model.config.num_hidden_layers), mcfg.num_layers,
                                mcfg.block_size, mask_token(mcfg, target.tokenizer, stops), d2t,
                                fingerprint=target.fingerprint, seed=int(cfg.get("seed", 0)),
-                               markov_rank=mcfg.markov_rank, init_layers=mcfg.init_layers)
+                               markov_rank=mcfg.markov_rank, init_layers=mcfg.init_layers,
+                               refiner_rank=mcfg.refiner_rank, refiner_mlp_ratio=mcfg.refiner_mlp_ratio)
     module = DFlashModule(target.model, drafter, anchors=mcfg.anchors, gamma=mcfg.gamma,
                           stored_layers=datamodule.stored_layers, step_weights=mcfg.step_weights,
-                          dpace_alpha=mcfg.dpace_alpha, seed=int(cfg.get("seed", 0)), **common)
+                          dpace_alpha=mcfg.dpace_alpha, seed=int(cfg.get("seed", 0)),
+                          consistency_passes=mcfg.consistency_passes, consistency_weight=mcfg.consistency_weight,
+                          base_weight=mcfg.base_weight, **common)
 
     def save(out: Path, settings: dict[str, Any]) -> None:
         save_dflash(drafter.eval(), out, extra=settings)
@@ -123,7 +143,8 @@ def drafting(ecfg: Any, target: Any, dec: DFlashDecode) -> Drafting:
     n_params, n_bytes = parameter_bytes(drafter, model.dtype)
     info = {"draft": dec.path, "draft_parameters": n_params, "draft_bytes": n_bytes,
             "draft_vocab": drafter.cfg.draft_vocab_size or drafter.cfg.vocab_size, "block_size": drafter.cfg.block_size,
-            "markov_rank": drafter.cfg.markov_rank,
+            "markov_rank": drafter.cfg.markov_rank, **({"refiner_rank": drafter.cfg.refiner_rank}
+                                                        if drafter.cfg.refiner_rank else {}),
             "dflash_k": proposer.k, "dflash_branching": dec.branching,
             "draft_training": training_summary(dec.path)}
     return Drafting(proposer, info, max_depth=proposer.k)
@@ -168,19 +189,24 @@ def agreement_proposer(scfg: Any, target: Any, k: int) -> Any:
 
 
 def label(mcfg: DFlashMethodConfig, size: Any) -> str:
-    return f"dflash-l{mcfg.num_layers}-b{mcfg.block_size}" + (f"-markov{mcfg.markov_rank}" if mcfg.markov_rank else "")
+    head = (f"-markov{mcfg.markov_rank}" if mcfg.markov_rank else "") + (
+        f"-xpress{mcfg.refiner_rank}" if mcfg.refiner_rank else "")
+    return f"dflash-l{mcfg.num_layers}-b{mcfg.block_size}" + head
 
 
 def describe(s: dict[str, Any]) -> tuple[str, str]:
     shape = f"tree {s['dflash_branching']}" if s.get("dflash_branching") else f"chain K={s.get('dflash_k')}"
     if s.get("markov_rank"):
         return "DSpark", f"DFlash block of {s.get('block_size')} + Markov head r={s['markov_rank']}, {shape}"
+    if s.get("refiner_rank"):
+        return "XPress", f"DFlash block of {s.get('block_size')} + causal refiner r={s['refiner_rank']}, {shape}"
     return "DFlash", f"DFlash block of {s.get('block_size')}, {shape}"
 
 
 def describe_training(s: dict[str, Any]) -> tuple[str, str]:
     m = s["method"]
-    head = f", Markov head r={m['markov_rank']}" if m.get("markov_rank") else ""
+    head = (f", Markov head r={m['markov_rank']}" if m.get("markov_rank") else
+            f", causal refiner r={m['refiner_rank']}" if m.get("refiner_rank") else "")
     return (f"DFlash block drafter ({m['num_layers']} layer{'s' if m['num_layers'] > 1 else ''}, blocks of "
             f"{m['block_size']}{head})", "target's last layers, LM head rows")
 

@@ -1,4 +1,6 @@
-"""DFlash in the speculators format: the folder vLLM's DFlash proposer loads (`method: dflash`).
+"""DFlash in the speculators format: the folder vLLM's DFlash proposer loads (`method: dflash`); with XPress's refiner,
+speculators' xpress format (`XPressSpeculatorConfig`: the DFlash fields, the refiner's rank and MLP ratio, its tensors
+as `refiner_head.*`), which speculators 0.9 loads and vLLM 0.32 does not serve.
 
 What vLLM 0.32 (`transformers_utils/configs/speculators/algos.py::update_dflash`, `models/qwen3_dflash.py`) and
 speculators 0.9 (`DFlashSpeculatorConfig`) read, checked in the tests by loading the config with speculators' own
@@ -34,7 +36,8 @@ MASK_FILE = "mask_embedding.pt"
 def dflash_state(drafter: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The drafter's tensors under vLLM's names, with fc's blocks and the draft vocabulary in engine order."""
     cfg = drafter.cfg
-    state = {k: v.detach().float().contiguous().cpu() for k, v in drafter.state_dict().items()
+    state = {k.replace("refiner.", "refiner_head.", 1): v.detach().float().contiguous().cpu()  # speculators' name
+             for k, v in drafter.state_dict().items()
              if not k.startswith("rotary.") and k not in ("d2t", "mask_embedding")}
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "layers.0.self_attn.q_norm.weight"}
     if missing := sorted(expected - set(state)):
@@ -48,6 +51,8 @@ def dflash_state(drafter: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
             raise ExportError("the drafter's d2t map is not a set of distinct target ids: the drafter is corrupt")
         perm = torch.argsort(d2t)
         state["lm_head.weight"] = state["lm_head.weight"][perm].contiguous()
+        if "refiner_head.readout.weight" in state:  # the refiner's bias is over the same draft vocabulary
+            state["refiner_head.readout.weight"] = state["refiner_head.readout.weight"][perm].contiguous()
         state["d2t"] = (d2t[perm] - torch.arange(len(d2t))).to(torch.int64)
     return state, sorted(cfg.feature_layers)
 
@@ -62,6 +67,8 @@ def export_dflash(drafter: Any, out_dir: str | Path, target_dir: str | Path, num
         raise ExportError(f"this drafter has a Markov head (DSpark, markov_rank={cfg.markov_rank}), which vLLM's "
                           "DFlash proposer (0.32) does not run, and the format has no field for: served without it, "
                           "it would be another drafter. Export a drafter trained with markov_rank=0 (train@dflash)")
+    xpress = {"xpress_rank": cfg.refiner_rank, "xpress_mlp_ratio": cfg.refiner_mlp_ratio,
+              "num_jacobi_passes": cfg.block_size - 1} if cfg.refiner_rank else {}  # passes enough to be exact
     k = num_speculative_tokens or cfg.block_size - 1
     if not 1 <= k <= cfg.block_size - 1:
         raise ExportError(f"num_speculative_tokens={k}: a block of {cfg.block_size} drafts 1..{cfg.block_size - 1}")
@@ -69,7 +76,8 @@ def export_dflash(drafter: Any, out_dir: str | Path, target_dir: str | Path, num
     state, layers = dflash_state(drafter)
     rope = rope_parameters(cfg, t)
     config = {
-        **speculators_header("dflash", "DFlashSpeculator", k, target_dir, t),
+        **(speculators_header("xpress", "XPressSpeculator", k, target_dir, t) if xpress else
+           speculators_header("dflash", "DFlashSpeculator", k, target_dir, t)),
         "transformer_layer_config": {
             "model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
@@ -87,6 +95,7 @@ def export_dflash(drafter: Any, out_dir: str | Path, target_dir: str | Path, num
         "sliding_window_non_causal": True,
         "sample_from_anchor": False,
         "torch_dtype": "float32",
+        **xpress,
     }
     with atomic_path(out_dir, is_dir=True) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -12,6 +12,8 @@ A slot cannot see the tokens drawn at the slots before it, so its guesses decay 
 al. 2026, arXiv 2607.05147) adds a sequential head to the parallel block: slot j's logits get a low-rank bias from
 the token before it, W2 W1[x_{p+j-1}] (`markov_rank` r > 0; its "Markov head"). Drafting then runs the block once
 and the head K times, a lookup and an r x N product each; training reads the token that preceded each slot.
+XPress (arXiv 2608.02438) replaces that head with a causal refiner (`refiner_rank` r > 0, methods/dflash/xpress.py):
+the bias of slot j also reads the slot's state and the block's, and every token drawn before it in the block.
 
 Layer by layer it is vLLM's `DFlashQwen3Model` (qwen3_dflash.py), so the export is a rename: a Qwen3-style
 layer (RMSNorm per head on q and k), pre-norm residuals, a final norm, and an LM head over a reduced draft
@@ -59,6 +61,8 @@ class DFlashConfig:
     feature_layers: list[int] = field(default_factory=list)  # HiddenTap indices = vLLM's aux ids (residual into k)
     mask_token_id: int = 0  # the id the engine substitutes the mask embedding for (mask_embedding.pt)
     markov_rank: int = 0  # DSpark's Markov head: the rank of the bias from the previous token (0: none, DFlash)
+    refiner_rank: int = 0  # XPress's causal refiner: its rank (0: none)
+    refiner_mlp_ratio: int = 2  # the refiner's MLP width over its rank
     target_num_layers: int | None = None
     target_fingerprint: str | None = None
 
@@ -71,6 +75,12 @@ class DFlashConfig:
             raise DFlashError("a DFlash drafter reads at least one target layer (feature_layers)")
         if self.markov_rank < 0:
             raise DFlashError(f"markov_rank={self.markov_rank}: 0 (no Markov head) or the rank of its bias")
+        if self.refiner_rank < 0 or self.refiner_mlp_ratio < 1:
+            raise DFlashError(f"refiner_rank={self.refiner_rank}, refiner_mlp_ratio={self.refiner_mlp_ratio}: a rank "
+                              ">= 0 (0: no refiner) and a ratio >= 1")
+        if self.markov_rank and self.refiner_rank:
+            raise DFlashError("a drafter has a Markov head (DSpark) or a causal refiner (XPress), not both: set "
+                              "markov_rank or refiner_rank to 0")
 
     def rope_config(self) -> Any:
         from transformers import LlamaConfig
@@ -169,6 +179,11 @@ class DFlashDrafter(nn.Module):
         if cfg.markov_rank:  # W1 over the target's ids (any token can precede a slot), W2 onto the draft vocabulary
             self.markov_in = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
             self.markov_out = nn.Linear(cfg.markov_rank, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
+        if cfg.refiner_rank:
+            from specdistill.methods.dflash.xpress import XPressRefiner
+
+            self.refiner = XPressRefiner(cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size, h, cfg.block_size,
+                                         cfg.refiner_rank, cfg.refiner_mlp_ratio)
         self.rotary = LlamaRotaryEmbedding(cfg.rope_config())
         self.register_buffer("d2t", None if d2t is None else d2t.long().clone())
 
@@ -210,6 +225,14 @@ class DFlashDrafter(nn.Module):
         out = self.lm_head(states)
         return out if prev is None or not self.cfg.markov_rank else out + self.markov_bias(prev)
 
+    def block_logits(self, states: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Logits [N, S, V'] of N whole blocks' slot states [N, S, H], with the head that reads the tokens before the
+        slots (`prev` [N, S], the target id before each slot): XPress's refiner, DSpark's Markov head, or none."""
+        out = self.lm_head(states)
+        if self.cfg.refiner_rank:
+            return out + self.refiner(prev, states)
+        return out + self.markov_bias(prev) if self.cfg.markov_rank else out
+
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """DSpark's bias [..., N] on a slot's logits from the target id before it, `prev` [...]."""
         return self.markov_out(self.markov_in(prev))
@@ -217,7 +240,8 @@ class DFlashDrafter(nn.Module):
 
 def build_dflash(target: Any, feature_layers: list[int], num_layers: int, block_size: int, mask_token_id: int,
                  d2t: torch.Tensor | None = None, fingerprint: str | None = None, seed: int = 0,
-                 markov_rank: int = 0, init_layers: str = "last") -> DFlashDrafter:
+                 markov_rank: int = 0, init_layers: str = "last", refiner_rank: int = 0,
+                 refiner_mlp_ratio: int = 2) -> DFlashDrafter:
     """A trainable drafter at the target's width (float32): its layers start from the target's last `num_layers`
     layers (`init_layers`: "first", its first ones, whose inputs are embeddings as the block's are; "random": none),
     q/k norms at one, its head from the target's LM head rows, the mask from the mean embedding; a Markov head's W2
@@ -233,7 +257,8 @@ def build_dflash(target: Any, feature_layers: list[int], num_layers: int, block_
                        block_size=block_size, vocab_size=t.vocab_size,
                        draft_vocab_size=None if d2t is None else len(d2t),
                        feature_layers=list(feature_layers), mask_token_id=mask_token_id,
-                       target_num_layers=t.num_hidden_layers, target_fingerprint=fingerprint, markov_rank=markov_rank)
+                       target_num_layers=t.num_hidden_layers, target_fingerprint=fingerprint, markov_rank=markov_rank,
+                       refiner_rank=refiner_rank, refiner_mlp_ratio=refiner_mlp_ratio)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg, target.get_input_embeddings(), d2t)
     layers = target.get_decoder().layers

@@ -11,8 +11,9 @@ positions n-1..n-1+K over those keys and its own (no causal mask) and reads slot
   every parent, as the block cannot tell them apart); nodes are deterministic (q = None), lossless at any T.
 With a Markov head (DSpark) each slot's logits also get the bias from the token before it: in a chain the token
 just drawn (so q_j depends on the draws before it, as any chain draft's does), in a tree each node's own parent,
-so siblings' children differ. Nothing drafted is kept: the next round's block starts from the committed context
-again.
+so siblings' children differ. With XPress's causal refiner the bias of slot j reads every token before it in the
+block (the node's whole path in a tree), resolved slot by slot: exactly the fixed point of XPress's parallel
+passes. Nothing drafted is kept: the next round's block starts from the committed context again.
 """
 
 from __future__ import annotations
@@ -61,14 +62,27 @@ class DFlashProposer:
         self.committed += n
 
     @torch.inference_mode()
-    def block_logits(self, last_token: int, k: int) -> torch.Tensor:
-        """[k, N] logits of slots 1..k (the drafter's own vocabulary) for the block after the committed context,
-        without a Markov head's bias (`bias` adds it, given the token before a slot)."""
+    def block_states(self, last_token: int, k: int) -> torch.Tensor:
+        """[k + 1, H] normed states of the block's slots 0..k after the committed context."""
         p = self.committed  # the position of the last token: the context holds the states before it
         ids = torch.tensor([[last_token] + [MASK] * k], device=self.device)
         positions = torch.arange(p, p + k + 1, device=self.device)[None]
-        states = self.drafter(ids, positions, self.context)
-        return self.drafter.logits(states[0, 1:]).float()
+        return self.drafter(ids, positions, self.context)[0]
+
+    @torch.inference_mode()
+    def block_logits(self, last_token: int, k: int) -> torch.Tensor:
+        """[k, N] logits of slots 1..k (the drafter's own vocabulary) for the block after the committed context,
+        without a Markov head's bias (`bias` adds it, given the token before a slot)."""
+        return self.drafter.logits(self.block_states(last_token, k)[1:]).float()
+
+    @torch.inference_mode()
+    def refined(self, states: torch.Tensor, paths: list[list[int]], slot: int) -> torch.Tensor:
+        """XPress: [len(paths), N] logits of `slot` for blocks whose slots 0..slot are preceded by each path's target
+        ids (the refiner is causal: the ids of later slots, padded here, change nothing)."""
+        width = states.shape[0]
+        prev = torch.tensor([p + [0] * (width - len(p)) for p in paths], device=self.device)
+        logits = self.drafter.block_logits(states[None].expand(len(paths), -1, -1), prev)
+        return logits[:, slot].float()
 
     def bias(self, prev: list[int]) -> torch.Tensor:
         """The Markov head's bias [len(prev), N] for slots preceded by the target ids `prev` (zeros without a head)."""
@@ -85,6 +99,8 @@ class DFlashProposer:
         k = min(self.k, max_depth)
         if k < 1:
             return None
+        if self.drafter.cfg.refiner_rank:
+            return self._refined_draft(context, k, sampling, generator)
         logits = self.block_logits(context[-1], k)
         if self.branching:
             return self._tree(logits, self.branching[:k], context[-1])
@@ -96,6 +112,40 @@ class DFlashProposer:
             if q is not None:
                 qs.append(q)
         return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
+
+    def _refined_draft(self, context: list[int], k: int, sampling: SamplingConfig,
+                       generator: torch.Generator | None) -> DraftTree:
+        """XPress: the block once, then each slot's logits with the refiner's bias given the tokens before it."""
+        states = self.block_states(context[-1], k)
+        start = [context[-2] if len(context) > 1 else context[-1], context[-1]]  # before slots 0 and 1
+        if self.branching:
+            return self._refined_tree(states, start, self.branching[:k])
+        tokens, qs = [], []
+        for j in range(1, k + 1):
+            row = self.refined(states, [start + tokens], j)[0]
+            tok, q = draft_token(to_target_logits(row, self.d2t, self.vocab_size), sampling, generator)
+            tokens.append(tok)
+            if q is not None:
+                qs.append(q)
+        return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
+
+    def _refined_tree(self, states: torch.Tensor, start: list[int], widths: list[int]) -> DraftTree:
+        """Level d holds each node's top widths[d] tokens of slot d+1 given the node's own path."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        level, paths = [-1], [start]
+        for d, width in enumerate(widths):
+            top = self.refined(states, paths, d + 1).topk(min(width, self.drafter.lm_head.out_features)).indices
+            ids = (top if self.d2t is None else self.d2t[top]).tolist()
+            new, new_paths = [], []
+            for parent, path, children in zip(level, paths, ids, strict=True):
+                for tok in children:
+                    new.append(len(tokens))
+                    new_paths.append(path + [tok])
+                    tokens.append(tok)
+                    parents.append(parent)
+            level, paths = new, new_paths
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
     def _tree(self, logits: torch.Tensor, widths: list[int], last_token: int) -> DraftTree:
         """Level d holds the top widths[d] tokens of slot d under every node of level d-1 (topological order); with a

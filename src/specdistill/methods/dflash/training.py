@@ -13,6 +13,11 @@ where drafting reads the token drawn before it. The two agree wherever the slot 
 accepted token follows the target's argmax at T = 0 and min(p, q) at T > 0, not the data's sampled answers, so
 validation's tau_sim of a Markov head is somewhat optimistic beside the plain block's (the decoder's tau is not).
 
+XPress's causal refiner (`refiner_rank`) reads the tokens before every slot of the block, teacher-forced from the
+data; as in its paper it also trains `consistency_passes` free-running rounds, each slot's predecessor the previous
+round's argmax (the recurrence its drafting solves; no gradient between rounds), weighted `consistency_weight`, and
+keeps the block's own logits good with a `base_weight` term on them without the bias.
+
 Loss: sum_j w_j D(p_{p+j-1} || q_j) / sum_j w_j with D from the registry (the target renormalised over the draft
 vocabulary) and DFlash's position weights w_j = exp(-(j-1) / gamma), or D-PACE's (`step_weights=dpace`).
 Validation: val/alpha_pos{j} and val/tau_sim of the chain the block drafts, over the full vocabulary.
@@ -86,8 +91,11 @@ class Slot:
 class DFlashModule(DistillModule):
     def __init__(self, target_model: Any, drafter: DFlashDrafter, anchors: int = 32, gamma: float = 4.0,
                  stored_layers: list[int] | None = None, step_weights: str = "decay", dpace_alpha: float = 0.5,
-                 val_chunk: int = 64, seed: int = 0, **kwargs: Any):
+                 val_chunk: int = 64, seed: int = 0, consistency_passes: int = 0, consistency_weight: float = 0.0,
+                 base_weight: float = 0.0, **kwargs: Any):
         super().__init__(target_model, **kwargs)
+        self.consistency_passes, self.consistency_weight = consistency_passes, consistency_weight
+        self.base_weight = base_weight
         self.drafter = drafter
         self.stored = (None if stored_layers is None
                        else [list(stored_layers).index(x) for x in drafter.cfg.feature_layers])
@@ -103,7 +111,10 @@ class DFlashModule(DistillModule):
         return self.val_unrolled.compute()
 
     def _slots(self, batch: dict[str, torch.Tensor], features: torch.Tensor, teacher: Teacher, anchors: torch.Tensor,
-               real: torch.Tensor) -> list[Slot]:
+               real: torch.Tensor, rounds: int | None = None
+               ) -> list[Slot] | tuple[list[Slot], list[list[Slot]], list[Slot]]:
+        """Slot j's logits where it is scored. With a refiner and `rounds` given (training), also those of each of
+        `rounds` free-running rounds and of the block without the refiner's bias: (slots, rounds' slots, base)."""
         mask = batch["loss_mask"]
         b, t = mask.shape
         row = mask.flatten().cumsum(0).view_as(mask) - 1  # (b, position) -> the teacher's row
@@ -111,16 +122,34 @@ class DFlashModule(DistillModule):
         ids, pos, attn = block_inputs(batch["input_ids"], batch["attention_mask"], anchors, real, self.size)
         states = self.drafter(ids, pos, self.drafter.context(features, positions), attn)
         states = states.view(b, -1, self.size, states.shape[-1])
-        out = []
-        for j in range(1, self.size):
-            at = anchors + j - 1  # the position whose target distribution slot j is scored against
-            inside = at < t
-            at = at.clamp(max=t - 1)
-            scored = real & inside & mask.gather(1, at)
-            prev = batch["input_ids"].gather(1, at)[scored]  # x_{p+j-1}: the Markov head's input
-            out.append(Slot(j, scored, self.drafter.logits(states[:, :, j][scored], prev).float(),
-                            teacher.select(row.gather(1, at)[scored]), batch["labels"].gather(1, at)[scored]))
-        return out
+        at = {j: (anchors + j - 1).clamp(max=t - 1) for j in range(1, self.size)}  # slot j is scored at p + j - 1
+        scored = {j: real & (anchors + j - 1 < t) & mask.gather(1, at[j]) for j in range(1, self.size)}
+
+        def slots(logits_of: Any) -> list[Slot]:
+            return [Slot(j, scored[j], logits_of(j).float(), teacher.select(row.gather(1, at[j])[scored[j]]),
+                         batch["labels"].gather(1, at[j])[scored[j]]) for j in range(1, self.size)]
+
+        if not self.drafter.cfg.refiner_rank:
+            # x_{p+j-1}: the Markov head's input
+            return slots(lambda j: self.drafter.logits(states[:, :, j][scored[j]],
+                                                       batch["input_ids"].gather(1, at[j])[scored[j]]))
+        # the token before each slot: slot 0's is the anchor's predecessor (the anchor itself at position 0)
+        before = torch.stack([batch["input_ids"].gather(1, (anchors - 1).clamp(min=0))]
+                             + [batch["input_ids"].gather(1, at[j]) for j in range(1, self.size)], dim=-1)
+        flat = states.flatten(0, 1)
+        logits = self.drafter.block_logits(flat, before.flatten(0, 1)).view(*states.shape[:3], -1)
+        taught = slots(lambda j: logits[:, :, j][scored[j]])
+        if rounds is None:
+            return taught
+        free, out = logits.detach(), []
+        for _ in range(rounds):  # each slot's predecessor: the previous round's argmax (slot 1's: the anchor)
+            drawn = free.argmax(-1) if self.drafter.d2t is None else self.drafter.d2t[free.argmax(-1)]
+            prev = torch.cat([before[..., :2], drawn[..., 1:-1]], dim=-1)
+            free = self.drafter.block_logits(flat, prev.flatten(0, 1)).view(*states.shape[:3], -1)
+            out.append(slots(lambda j, f=free: f[:, :, j][scored[j]]))
+            free = free.detach()
+        base = self.drafter.lm_head(states)
+        return taught, out, slots(lambda j: base[:, :, j][scored[j]])
 
     def _weights(self, slots: list[Slot]) -> list[torch.Tensor | float]:
         """Each slot's weight: exp(-(j-1)/gamma), or D-PACE's per anchor from the drafter's own detached probability
@@ -135,19 +164,29 @@ class DFlashModule(DistillModule):
         features, teacher = features_and_teacher(self, batch, self.drafter.cfg.feature_layers, self.stored,
                                                  self.drafter.cfg.hidden_size)
         anchors, real = sample_anchors(anchor_candidates(batch["loss_mask"]), self.anchors, self.generator)
-        slots = self._slots(batch, features, teacher, anchors, real)
-        weights = self._weights(slots)
+        refined = self.drafter.cfg.refiner_rank and (self.consistency_passes or self.base_weight)
+        out = self._slots(batch, features, teacher, anchors, real, rounds=self.consistency_passes if refined else None)
+        slots, rounds, base = out if refined else (out, [], [])
+        total = self._block_loss(slots, log=True)
+        for free in rounds:  # XPress: the free-running rounds, the recurrence drafting solves
+            total = total + self.consistency_weight / len(rounds) * self._block_loss(free)
+        if base and self.base_weight:  # and the block's own logits, without the refiner's bias
+            total = total + self.base_weight * self._block_loss(base)
+        self.log("train/loss", total, prog_bar=True)
+        return total
+
+    def _block_loss(self, slots: list[Slot], log: bool = False) -> torch.Tensor:
+        """The slots' position-weighted loss (DFlash's decay or D-PACE)."""
         total, norm = torch.zeros((), device=self.device), 0.0
-        for s, w in zip(slots, weights, strict=True):
+        for s, w in zip(slots, self._weights(slots), strict=True):
             per_row = w if isinstance(w, torch.Tensor) else None
             loss, n = self._loss(s.student, Teacher() if self.loss.name == "ce" else s.teacher, s.labels,
                                  weights=per_row)
             scale = 1.0 if per_row is not None else w  # D-PACE weighs the slots itself
             total, norm = total + scale * loss, norm + scale
-            self.log(f"train/loss_slot{s.index}", loss, batch_size=max(n, 1))
-        total = total / norm
-        self.log("train/loss", total, prog_bar=True)
-        return total
+            if log:
+                self.log(f"train/loss_slot{s.index}", loss, batch_size=max(n, 1))
+        return total / norm
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         features, teacher = features_and_teacher(self, batch, self.drafter.cfg.feature_layers, None,
