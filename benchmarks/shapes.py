@@ -76,23 +76,23 @@ def main() -> None:
     item.update(depth=None, width=None, beside=[], temperatures=args.temperatures, hf_baselines=False)
     item.update({k: v for k, v in (("num_prompts", args.num_prompts), ("max_new_tokens", args.max_new_tokens))
                  if v is not None})
-    ecfg = section(EvalConfig, item, "eval")
-    if ecfg.branch:  # the stage merges the companion's tree (UnionProposer); this benchmark drafts the method alone
-        raise SystemExit(f"--item {args.item}: its eval.branch={ecfg.branch} is not measured here; use an item "
+    eval_cfg = section(EvalConfig, item, "eval")
+    if eval_cfg.branch:  # the stage merges the companion's tree (UnionProposer); this benchmark drafts the method alone
+        raise SystemExit(f"--item {args.item}: its eval.branch={eval_cfg.branch} is not measured here; use an item "
                          "without a branch")
-    dec = methods.decode_settings(cfg, ecfg.method, ecfg.decode)
+    dec = methods.decode_settings(cfg, eval_cfg.method, eval_cfg.decode)
     prompts_dir = ROOT / cfg["paths"]["prompts_dir"]
-    data = {d: load_conversations(prompts_dir, d, ecfg.num_prompts, ecfg.split) for d in ecfg.datasets}
-    pilot = pilot_conversations(ecfg, prompts_dir)
-    tcfg = section(TargetConfig, {**cfg["target"], "name_or_path": str(ROOT / cfg["target"]["name_or_path"])},
+    data = {d: load_conversations(prompts_dir, d, eval_cfg.num_prompts, eval_cfg.split) for d in eval_cfg.datasets}
+    pilot = pilot_conversations(eval_cfg, prompts_dir)
+    target_cfg = section(TargetConfig, {**cfg["target"], "name_or_path": str(ROOT / cfg["target"]["name_or_path"])},
                    "target")
-    target = load_target(tcfg)
+    target = load_target(target_cfg)
     encode = chat_encoder(target.tokenizer)
-    drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
+    drafting = methods.get(eval_cfg.method, "evaluate", "eval.method").draft(eval_cfg, target, dec)
     stops = target.stop_ids
 
     busy = Contention().start()  # what else ran on these CPUs from the pilot to the last decoded token
-    auto = auto_depth(ecfg, target.model, drafting.proposer, drafting.max_depth, pilot, encode, stops)
+    auto = auto_depth(eval_cfg, target.model, drafting.proposer, drafting.max_depth, pilot, encode, stops)
     print(f"auto: {auto['choice']} (pilot {auto['pilot_rounds']} rounds, {auto['seconds']:.0f} s); "
           f"verification ms by nodes: " + ", ".join(f"{n}: {s * 1000:.0f}" for n, s in auto["verify_s"].items()))
     if args.pilot_only:
@@ -103,11 +103,11 @@ def main() -> None:
         return
     shapes.setdefault(auto["choice"], (auto["depth"], auto["width"]))  # the chosen shape is always measured
 
-    rows = [our_method("ar", target.model, None, ecfg.max_new_tokens, stops, ecfg.capacity, drafting.max_depth)]
-    rows += [our_method(label, target.model, Capped(drafting.proposer, d, w), ecfg.max_new_tokens, stops,
-                        ecfg.capacity, drafting.max_depth) for label, (d, w) in shapes.items() if d > 0]
-    res = run_benchmark(rows, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, target.tokenizer.decode,
-                        ecfg.seed)
+    rows = [our_method("ar", target.model, None, eval_cfg.max_new_tokens, stops, eval_cfg.capacity, drafting.max_depth)]
+    rows += [our_method(label, target.model, Capped(drafting.proposer, d, w), eval_cfg.max_new_tokens, stops,
+                        eval_cfg.capacity, drafting.max_depth) for label, (d, w) in shapes.items() if d > 0]
+    res = run_benchmark(rows, data, eval_cfg.temperatures, eval_cfg.top_p, eval_cfg.top_k, encode,
+                        target.tokenizer.decode, eval_cfg.seed)
     table, chosen = [], "ar" if auto["choice"] == "0" else auto["choice"]
     for (ds, temp, name), tally in sorted(res.tallies.items()):
         s = tally.summary(res.tallies[(ds, temp, "ar")])
@@ -127,7 +127,7 @@ def main() -> None:
         print(f"warning: {warning}")
     if args.out:
         args.out.write_text(json.dumps({"item": args.item, "set": args.set, "auto": auto, "table": table,
-                                        "dtype": tcfg.dtype, "others_cpu_share": others,
+                                        "dtype": target_cfg.dtype, "others_cpu_share": others,
                                         **environment()}, indent=1))
 
 

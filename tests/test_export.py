@@ -189,14 +189,14 @@ def test_serve_leaves_out_the_k_a_medusa_export_cannot_draft(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = OmegaConf.to_container(compose("config", overrides=["serve.method=medusa", "serve.k=[1,3,5]"]),
                                      resolve=True)["serve"]
-    scfg = section(ServeConfig, dict(cfg), "serve")
+    serve_cfg = section(ServeConfig, dict(cfg), "serve")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 4}))
-    served, skipped = servable_k(scfg, methods.get("medusa", "serve"), tmp_path)
+    served, skipped = servable_k(serve_cfg, methods.get("medusa", "serve"), tmp_path)
     assert served.k == [1, 3] and skipped == [5]
     with pytest.raises(ConfigError, match="drafts at most 4 tokens"):
         servable_k(section(ServeConfig, {**cfg, "k": [5, 6], "agreement_k": 5}, "serve"),
                    methods.get("medusa", "serve"), tmp_path)
-    assert servable_k(scfg, methods.get("eagle", "serve"), tmp_path) == (scfg, [])
+    assert servable_k(serve_cfg, methods.get("eagle", "serve"), tmp_path) == (serve_cfg, [])
 
 
 def test_a_speedup_above_tau_is_flagged_as_a_slow_baseline():

@@ -77,8 +77,8 @@ def test_a_method_registered_from_outside_reaches_the_stages(monkeypatch):
     from specdistill.methods.lookup.proposer import PromptLookupProposer
     from specdistill.stages.evaluate import EvalConfig
 
-    def drafting(ecfg, target, dec):
-        return methods.Drafting(PromptLookupProposer(ecfg.k, 4, 4, 1), {"note": "4-grams only"})
+    def drafting(eval_cfg, target, dec):
+        return methods.Drafting(PromptLookupProposer(eval_cfg.k, 4, 4, 1), {"note": "4-grams only"})
 
     monkeypatch.setitem(methods.REGISTRY, "lookup4", methods.Method("lookup4", "prompt lookup on 4-grams",
                                                                     draft=drafting))

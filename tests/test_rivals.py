@@ -207,8 +207,8 @@ def test_a_rival_follows_what_the_run_measures(compare_cfg):
     cfg = {**compare_cfg, "evals": {**compare_cfg["evals"],
                                     "compare": {**compare_cfg["evals"]["compare"], "max_new_tokens": 5,
                                                 "temperatures": [0.0]}}}
-    ecfg = section(EvalConfig, eval_item(cfg), "eval")
-    rc, dec = rival_item(cfg, ecfg, "dflash")
+    eval_cfg = section(EvalConfig, eval_item(cfg), "eval")
+    rc, dec = rival_item(cfg, eval_cfg, "dflash")
     assert (rc.max_new_tokens, rc.temperatures, rc.method, dec.k) == (5, [0.0], "dflash", 3)
 
 

@@ -106,80 +106,81 @@ SHARED = ("datasets", "num_prompts", "split", "max_new_tokens", "temperatures", 
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    ecfg = section(EvalConfig, eval_item(cfg), "eval")
+    eval_cfg = section(EvalConfig, eval_item(cfg), "eval")
     # how the method drafts and how its companions do (their rows, its branch): checked before the target loads
-    dec = methods.decode_settings(cfg, ecfg.method, ecfg.decode)
-    named = dict.fromkeys([*ecfg.beside, *([ecfg.branch] if ecfg.branch else [])])
+    dec = methods.decode_settings(cfg, eval_cfg.method, eval_cfg.decode)
+    named = dict.fromkeys([*eval_cfg.beside, *([eval_cfg.branch] if eval_cfg.branch else [])])
     companions = {n: methods.decode_settings(cfg, n) for n in named}
-    check_branch(ecfg, dec)
-    rivals = {r: rival_item(cfg, ecfg, r) for r in ecfg.rivals}  # each item's eval section and decode settings
-    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
-    name = ecfg.name or ecfg.method
+    check_branch(eval_cfg, dec)
+    rivals = {r: rival_item(cfg, eval_cfg, r) for r in eval_cfg.rivals}  # each item's eval section and decode settings
+    target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
+    name = eval_cfg.name or eval_cfg.method
     metrics_file = Path((cfg.get("paths") or {}).get("metrics_dir", "metrics")) / f"{name}.json"
-    reads = {f"decode.{ecfg.method}.path": getattr(dec, "path", None),
+    reads = {f"decode.{eval_cfg.method}.path": getattr(dec, "path", None),
              **{f"decode.{n}.path": getattr(d, "path", None) for n, d in companions.items()},
              **{f"evals.{r}.decode.path": getattr(rd, "path", None) for r, (_, rd) in rivals.items()}}
     check_outputs(cfg, names={"eval.name": name},
                   replaced={"eval.name": Path((cfg.get("paths") or {}).get("plots_dir", "plots")) / name},
                   files={"eval.name": metrics_files(metrics_file)}, inputs=reads)
     # the prompts first: a missing split or an overlapping dev set fails before the target loads
-    data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, ecfg.num_prompts, ecfg.split)
-            for name in ecfg.datasets}
+    data = {name: load_conversations(Path(cfg["paths"]["prompts_dir"]), name, eval_cfg.num_prompts, eval_cfg.split)
+            for name in eval_cfg.datasets}
     # eval.depth=auto pilots on dev prompts: disjoint from the reported test prompts, as tuning must be
-    autos = ecfg.depth == "auto" or any(rc.depth == "auto" for rc, _ in rivals.values())
-    pilot = pilot_conversations(ecfg, Path(cfg["paths"]["prompts_dir"])) if autos else []
-    target = load_target(tcfg)
+    autos = eval_cfg.depth == "auto" or any(rc.depth == "auto" for rc, _ in rivals.values())
+    pilot = pilot_conversations(eval_cfg, Path(cfg["paths"]["prompts_dir"])) if autos else []
+    target = load_target(target_cfg)
     tok, model = target.tokenizer, target.model
     stops = target.stop_ids
     encode = chat_encoder(tok)
     # the method's own proposer and its companions' (missing heads, trees or corpora fail here, before any decoding)
-    drafting = methods.get(ecfg.method, "evaluate", "eval.method").draft(ecfg, target, dec)
-    drafts = {n: methods.get(n, "evaluate").draft(ecfg, target, d) for n, d in companions.items()}
+    drafting = methods.get(eval_cfg.method, "evaluate", "eval.method").draft(eval_cfg, target, dec)
+    drafts = {n: methods.get(n, "evaluate").draft(eval_cfg, target, d) for n, d in companions.items()}
     rival_drafts = {r: methods.get(rc.method, "evaluate").draft(rc, target, rd) for r, (rc, rd) in rivals.items()}
     reach = lambda e, d: max(e.tree and len(e.tree) or e.k, d.max_depth)  # noqa: E731 (positions a draft can reach)
-    max_pos = max([reach(ecfg, drafting), *(d.max_depth for d in drafts.values()),
+    max_pos = max([reach(eval_cfg, drafting), *(d.max_depth for d in drafts.values()),
                    *(reach(rc, rival_drafts[r]) for r, (rc, _) in rivals.items())])
-    ours = lambda name, proposer: our_method(name, model, proposer, ecfg.max_new_tokens, stops,  # noqa: E731
-                                             ecfg.capacity, max_pos)
+    ours = lambda name, proposer: our_method(name, model, proposer, eval_cfg.max_new_tokens, stops,  # noqa: E731
+                                             eval_cfg.capacity, max_pos)
     spec = drafting.proposer
-    if ecfg.branch:  # the draft and the companion's tree verified as one
-        spec = UnionProposer(spec, drafts[ecfg.branch].proposer)
-    deepest = max(drafting.max_depth, drafts[ecfg.branch].max_depth if ecfg.branch else 0)
+    if eval_cfg.branch:  # the draft and the companion's tree verified as one
+        spec = UnionProposer(spec, drafts[eval_cfg.branch].proposer)
+    deepest = max(drafting.max_depth, drafts[eval_cfg.branch].max_depth if eval_cfg.branch else 0)
     shaped = lambda e, proposer, deepest: shape(e, model, proposer, deepest, pilot, encode, stops)  # noqa: E731
     busy = Contention().start()  # what else ran on our CPUs from the pilots to the last decoded token
-    spec, auto = shaped(ecfg, spec, deepest)
+    spec, auto = shaped(eval_cfg, spec, deepest)
     rival_shapes = {r: shaped(rc, rival_drafts[r].proposer, rival_drafts[r].max_depth) for r, (rc, _) in rivals.items()}
     pad = target.pad_id
     rows = [ours("ar", None)]
-    if ecfg.hf_baselines:
-        rows.append(hf_method("hf_generate", model, ecfg.max_new_tokens, stops, pad))
+    if eval_cfg.hf_baselines:
+        rows.append(hf_method("hf_generate", model, eval_cfg.max_new_tokens, stops, pad))
     rows.append(ours("spec", spec))
-    if ecfg.hf_baselines and drafting.assistant is not None:  # HF assisted generation needs the full vocabulary
-        rows.append(hf_method("hf_assisted", model, ecfg.max_new_tokens, stops, pad, assistant=drafting.assistant,
-                              k=ecfg.k))
-    rows += [ours(n, drafts[n].proposer) for n in ecfg.beside]  # named after the method: the report describes them
+    if eval_cfg.hf_baselines and drafting.assistant is not None:  # HF assisted generation needs the full vocabulary
+        rows.append(hf_method("hf_assisted", model, eval_cfg.max_new_tokens, stops, pad, assistant=drafting.assistant,
+                              k=eval_cfg.k))
+    rows += [ours(n, drafts[n].proposer) for n in eval_cfg.beside]  # named after the method: the report describes them
     rows += [ours(r, proposer) for r, (proposer, _) in rival_shapes.items()]  # named after the item
     draft_info = drafting.info
 
     group = cfg.get("experiment_name", "default")
     if auto:
         draft_info = {**draft_info, "auto_depth": auto}
-    settings = {"method": ecfg.method, **asdict(ecfg), "decode": asdict(dec) if dec is not None else {},
+    settings = {"method": eval_cfg.method, **asdict(eval_cfg), "decode": asdict(dec) if dec is not None else {},
                 **{n: asdict(d) for n, d in companions.items()}, **draft_info,
-                "chain_or_tree": "tree" if ecfg.tree else "chain",
+                "chain_or_tree": "tree" if eval_cfg.tree else "chain",
                 "rivals": {r: {"method": rc.method, "k": rc.k, "tree": rc.tree, "order": i, "depth": rc.depth,
                                "width": rc.width, "decode": asdict(rd) if rd is not None else {},
                                **rival_drafts[r].info,
                                **({"auto_depth": rival_shapes[r][1]} if rival_shapes[r][1] else {})}
                            for i, (r, (rc, rd)) in enumerate(rivals.items())},
-                "prompts": {k: len(v) for k, v in data.items()}, "dtype": tcfg.dtype,
+                "prompts": {k: len(v) for k, v in data.items()}, "dtype": target_cfg.dtype,
                 "target_fingerprint": target.fingerprint, **environment()}
     with wandb_run(cfg.get("logger"), job_type="evaluate", name=f"evaluate@{name}", group=group, config=cfg) as wb:
-        res = run_benchmark(rows, data, ecfg.temperatures, ecfg.top_p, ecfg.top_k, encode, tok.decode, ecfg.seed)
+        res = run_benchmark(rows, data, eval_cfg.temperatures, eval_cfg.top_p, eval_cfg.top_k, encode, tok.decode,
+                            eval_cfg.seed)
         settings["others_cpu_share"] = busy.stop()
         if warning := busy_warning(settings["others_cpu_share"], f"evaluate@{name}"):
             log.warning(warning)
-        metrics = summarise(res, ecfg.method, settings)
+        metrics = summarise(res, eval_cfg.method, settings)
         paths = cfg.get("paths") or {}
         write_outputs(metrics, res, name, Path(paths.get("metrics_dir", "metrics")),
                       Path(paths.get("plots_dir", "plots")))
@@ -197,22 +198,23 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     return metrics
 
 
-def check_branch(ecfg: EvalConfig, dec: Any) -> None:
+def check_branch(eval_cfg: EvalConfig, dec: Any) -> None:
     """eval.branch: the method must take a branch, and draft deterministically where it samples."""
-    if not ecfg.branch:
+    if not eval_cfg.branch:
         return
-    method = methods.get(ecfg.method, "evaluate", "eval.method")
+    method = methods.get(eval_cfg.method, "evaluate", "eval.method")
     if method.deterministic_branch is None:
-        raise ConfigError(f"eval.branch={ecfg.branch} adds a companion's tree to the method's draft: set eval.method "
-                          f"to one of {[n for n in methods.names('evaluate') if methods.find(n).deterministic_branch]}"
-                          f", or eval.branch=null (method={ecfg.method} takes no branch)")
-    fix = method.deterministic_branch(ecfg, dec)  # a chain sampled at T > 0 cannot merge with a deterministic tree
-    if fix and any(t > 0 for t in ecfg.temperatures):
-        raise ConfigError(f"eval.branch={ecfg.branch} merges deterministic trees, but method={ecfg.method} "
+        takes = [n for n in methods.names("evaluate") if methods.find(n).deterministic_branch]
+        raise ConfigError(f"eval.branch={eval_cfg.branch} adds a companion's tree to the method's draft: set "
+                          f"eval.method to one of {takes}, or eval.branch=null (method={eval_cfg.method} takes no "
+                          "branch)")
+    fix = method.deterministic_branch(eval_cfg, dec)  # a chain sampled at T > 0 cannot merge with a deterministic tree
+    if fix and any(t > 0 for t in eval_cfg.temperatures):
+        raise ConfigError(f"eval.branch={eval_cfg.branch} merges deterministic trees, but method={eval_cfg.method} "
                           f"drafts a chain by sampling at temperature > 0: use {fix}, or eval.temperatures=[0.0]")
 
 
-def rival_item(cfg: dict[str, Any], ecfg: EvalConfig, rival: str) -> tuple[EvalConfig, Any]:
+def rival_item(cfg: dict[str, Any], eval_cfg: EvalConfig, rival: str) -> tuple[EvalConfig, Any]:
     """evals.<rival> as the run's rival: its eval section (its draft's keys over the shared ones) and its decode
     settings, checked before the target loads; it must measure what the run measures and draft nothing extra."""
     if rival not in (cfg.get("evals") or {}):
@@ -224,7 +226,7 @@ def rival_item(cfg: dict[str, Any], ecfg: EvalConfig, rival: str) -> tuple[EvalC
     # the run's measurement (its item's keys included) under the rival's item: a key the item sets apart is refused.
     # Its shape is its item's alone: a run-wide eval.depth=auto would turn the fixed-shape rivals into chosen ones
     base = {**{k: v for k, v in cfg["eval"].items() if k not in (*own, "depth", "width")},
-            **{k: getattr(ecfg, k) for k in SHARED}, "name": rival, "method": None}
+            **{k: getattr(eval_cfg, k) for k in SHARED}, "name": rival, "method": None}
     try:
         rc = section(EvalConfig, eval_item({**cfg, "eval": base}), f"evals.{rival}")
     except ConfigError as e:  # the checks of EvalConfig itself name `eval.<key>`: say which item set it
@@ -232,9 +234,9 @@ def rival_item(cfg: dict[str, Any], ecfg: EvalConfig, rival: str) -> tuple[EvalC
     if extra := [k for k in own if getattr(rc, k) not in (None, [])]:
         raise ConfigError(f"eval.rivals: evals.{rival} sets {extra}, which a rival does not run (it drafts with its "
                           "own method, decode, k, tree, depth and width only): name an item without them")
-    if differ := [k for k in SHARED if getattr(rc, k) != getattr(ecfg, k)]:
+    if differ := [k for k in SHARED if getattr(rc, k) != getattr(eval_cfg, k)]:
         raise ConfigError(f"eval.rivals: evals.{rival} sets {differ} apart from this run's "
-                          f"({', '.join(f'{k}={getattr(ecfg, k)!r}' for k in differ)}): a rival measures on the "
+                          f"({', '.join(f'{k}={getattr(eval_cfg, k)!r}' for k in differ)}): a rival measures on the "
                           f"run's prompts and settings: drop them from evals.{rival}")
     return rc, methods.decode_settings(cfg, rc.method, rc.decode)
 
@@ -259,28 +261,29 @@ def eval_item(cfg: dict[str, Any]) -> dict[str, Any]:
     return methods.merged(shared, item)  # an item's decode keys over the shared ones, key by key
 
 
-def pilot_conversations(ecfg: EvalConfig, prompts_dir: Path) -> list[Any]:
+def pilot_conversations(eval_cfg: EvalConfig, prompts_dir: Path) -> list[Any]:
     """The eval.depth=auto pilot's prompts: eval.pilot_prompts dev conversations of each dataset."""
-    return [c for name in ecfg.datasets
-            for c in load_conversations(prompts_dir, name, ecfg.pilot_prompts, "dev", test_n=ecfg.num_prompts)]
+    return [c for name in eval_cfg.datasets
+            for c in load_conversations(prompts_dir, name, eval_cfg.pilot_prompts, "dev", test_n=eval_cfg.num_prompts)]
 
 
-def shape(ecfg: EvalConfig, model: Any, proposer: Any, deepest: int, pilot: list[Any], encode: Any,
+def shape(eval_cfg: EvalConfig, model: Any, proposer: Any, deepest: int, pilot: list[Any], encode: Any,
           stops: set[int]) -> tuple[Any, dict[str, Any] | None]:
     """A draft as eval.depth / eval.width shape it (the run's or a rival's item): capped, or chosen for the machine
     (eval.depth=auto, with what the choice came from), or as the method drafts."""
-    auto = auto_depth(ecfg, model, proposer, deepest, pilot, encode, stops) if ecfg.depth == "auto" else None
-    depth, width = (auto["depth"], auto["width"]) if auto else (ecfg.depth, ecfg.width)
+    auto = auto_depth(eval_cfg, model, proposer, deepest, pilot, encode, stops) if eval_cfg.depth == "auto" else None
+    depth, width = (auto["depth"], auto["width"]) if auto else (eval_cfg.depth, eval_cfg.width)
     return (Capped(proposer, depth, width) if depth is not None or width is not None else proposer), auto
 
 
-def auto_depth(ecfg: EvalConfig, model: Any, spec: Any, deepest: int, pilot: list[Any], encode: Any,
+def auto_depth(eval_cfg: EvalConfig, model: Any, spec: Any, deepest: int, pilot: list[Any], encode: Any,
                stops: set[int]) -> dict[str, Any]:
     """eval.depth=auto: measured on this machine, on the dev prompts' first turns, before any reported decoding."""
     prompts = [encode([{"role": "user", "content": c.turns[0]}]) for c in pilot]
-    auto = choose_depth(model, spec, deepest, prompts, ecfg.temperatures, ecfg.pilot_tokens, stops, ecfg.capacity,
-                        ecfg.seed)
-    log.info("eval.depth=auto (%s): %s (predicted %.2fx over AR; by shape %s) in %.0f s", ecfg.name or ecfg.method,
+    auto = choose_depth(model, spec, deepest, prompts, eval_cfg.temperatures, eval_cfg.pilot_tokens, stops,
+                        eval_cfg.capacity, eval_cfg.seed)
+    log.info("eval.depth=auto (%s): %s (predicted %.2fx over AR; by shape %s) in %.0f s",
+             eval_cfg.name or eval_cfg.method,
              auto["choice"],
              auto["predicted"][auto["choice"]]["speedup"],
              ", ".join(f"{d}: {p['speedup']:.2f}x" for d, p in auto["predicted"].items()), auto["seconds"])

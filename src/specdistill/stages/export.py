@@ -63,25 +63,25 @@ class ExportConfig:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    ecfg = section(ExportConfig, dict(cfg["export"]), "export")
-    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
-    out = Path(ecfg.dir) / ecfg.method
+    export_cfg = section(ExportConfig, dict(cfg["export"]), "export")
+    target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
+    out = Path(export_cfg.dir) / export_cfg.method
     check_outputs(cfg, replaced={"export.dir": out})
-    target_dir = Path(ecfg.dir) / "target"
-    if ecfg.method != "target" and not (target_dir / "config.json").exists():
-        raise ExportError(f"export@{ecfg.method} is checked against the exported target, and {target_dir} is missing: "
-                          f"run `dvc repro export_target` first")
-    with wandb_run(cfg.get("logger"), job_type="export", name=f"export@{ecfg.method}",
+    target_dir = Path(export_cfg.dir) / "target"
+    if export_cfg.method != "target" and not (target_dir / "config.json").exists():
+        raise ExportError(f"export@{export_cfg.method} is checked against the exported target, and {target_dir} is "
+                          f"missing: run `dvc repro export_target` first")
+    with wandb_run(cfg.get("logger"), job_type="export", name=f"export@{export_cfg.method}",
                    group=cfg.get("experiment_name", "default"), config=cfg) as run_:
-        if ecfg.method == "target":
-            target = load_target(tcfg)
+        if export_cfg.method == "target":
+            target = load_target(target_cfg)
             export_target(target.model, target.tokenizer, out, target.fingerprint,
-                          dtype=DTYPES[ecfg.dtype or tcfg.dtype])
+                          dtype=DTYPES[export_cfg.dtype or target_cfg.dtype])
             log.info("wrote %s (serve it: `vllm serve %s`, or with a draft: export@<method>)", out, out)
         else:  # the method loads the target only if its export needs it
-            method = methods.get(ecfg.registered, "export", f"export.items.{ecfg.method}.method")
-            method.export(ecfg, out, target_dir, lambda: load_target(tcfg))
+            method = methods.get(export_cfg.registered, "export", f"export.items.{export_cfg.method}.method")
+            method.export(export_cfg, out, target_dir, lambda: load_target(target_cfg))
             log.info("wrote %s (serve@%s serves it beside the target, where the engine runs its method)", out,
-                     ecfg.method)
-        log_folder(run_, out, f"export@{ecfg.method}")
+                     export_cfg.method)
+        log_folder(run_, out, f"export@{export_cfg.method}")
     return {"export": str(out)}

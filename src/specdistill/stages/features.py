@@ -44,51 +44,53 @@ log = logging.getLogger(__name__)
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    fcfg = section(FeaturesConfig, dict(cfg["features"]), "features")
-    dcfg = section(DataConfig, dict(cfg["distill"]["data"]), "distill.data")
-    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
-    if fcfg.dtype == "auto":  # the target's resolved dtype: EAGLE then trains on the states it drafts from
-        fcfg = replace(fcfg, dtype=tcfg.dtype)
+    feat_cfg = section(FeaturesConfig, dict(cfg["features"]), "features")
+    data_cfg = section(DataConfig, dict(cfg["distill"]["data"]), "distill.data")
+    target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
+    if feat_cfg.dtype == "auto":  # the target's resolved dtype: EAGLE then trains on the states it drafts from
+        feat_cfg = replace(feat_cfg, dtype=target_cfg.dtype)
     generated, out = Path(cfg["paths"]["generated_dir"]), Path(cfg["paths"]["features_dir"])
     check_outputs(cfg, locked={"paths.features_dir": out})
     stamp = generated / "FINGERPRINT"
     if not stamp.exists():
         raise DataError(f"no generated data at {generated}: run the generate stage first (dvc repro generate)")
-    shards = {s: sorted(p for p in (generated / s).glob("shard-*") if p.is_dir()) for s in fcfg.splits}
+    shards = {s: sorted(p for p in (generated / s).glob("shard-*") if p.is_dir()) for s in feat_cfg.splits}
     for split, found in shards.items():
         if not found:
             raise DataError(f"no generated shards in {generated / split}: list generated splits in features.splits")
 
-    engine = engine_version() if fcfg.engine == "vllm" else None  # no engine environment: an error now
+    engine = engine_version() if feat_cfg.engine == "vllm" else None  # no engine environment: an error now
     # the engine loads an HF target in its own process; a GGUF target is loaded here to be exported for it
-    target = load_target(tcfg) if fcfg.engine == "own" or tcfg.gguf_file else None
-    config = target.config if target else load_target_config(tcfg)
-    target_fp = target.fingerprint if target else target_fingerprint(tcfg)
-    layers = fcfg.layers or store_layers(config.num_hidden_layers)
-    fingerprint = store_fingerprint(layers, fcfg.topk, fcfg.dtype, dcfg.max_length, target_fp,
+    target = load_target(target_cfg) if feat_cfg.engine == "own" or target_cfg.gguf_file else None
+    config = target.config if target else load_target_config(target_cfg)
+    target_fp = target.fingerprint if target else target_fingerprint(target_cfg)
+    layers = feat_cfg.layers or store_layers(config.num_hidden_layers)
+    fingerprint = store_fingerprint(layers, feat_cfg.topk, feat_cfg.dtype, data_cfg.max_length, target_fp,
                                     stamp.read_text().strip(), engine)
     prepare_output(out, fingerprint)  # keeps whole shards of the same fingerprint: a killed stage resumes
     todo = [(s, p) for s, found in shards.items() for p in found if not (out / s / f"{p.name}.safetensors").exists()]
     log.info("%d shard(s), %d already whole, %d to compute%s", sum(map(len, shards.values())),
              sum(map(len, shards.values())) - len(todo), len(todo),
-             f" with {engine} ({fcfg.engine_workers} worker(s))" if engine else "")
+             f" with {engine} ({feat_cfg.engine_workers} worker(s))" if engine else "")
     t0, tokens = time.perf_counter(), 0
     engine_run = None
     if engine:
-        engine_run, tokens = features_from_engine(fcfg, tcfg, target, config, layers, dcfg.max_length, todo, out)
+        engine_run, tokens = features_from_engine(feat_cfg, target_cfg, target, config, layers, data_cfg.max_length,
+                                                  todo, out)
     for split, shard in todo if not engine else []:
-        rows_of = shard_rows(shard, dcfg.max_length)
+        rows_of = shard_rows(shard, data_cfg.max_length)
         if rows_of is None:
             continue
         rids, keep, pk, rk, seqs, full_p = rows_of
         order = sorted(range(len(keep)), key=lambda j: int(pk[j] + rk[j]))  # j: a kept row; keep[j] its index
         parts: dict[int, Any] = {}
         bar = tqdm(total=len(order), unit="seq", desc=f"features {split}/{shard.name}", dynamic_ncols=True)
-        for b in range(0, len(order), fcfg.batch_size):
-            batch = order[b:b + fcfg.batch_size]
+        for b in range(0, len(order), feat_cfg.batch_size):
+            batch = order[b:b + feat_cfg.batch_size]
             spans = [(int(keep[j]), int(pk[j]), int(rk[j])) for j in batch]
             rows = [(seqs[i][full_p[i] - p:full_p[i] + r], p, r) for i, p, r in spans]
-            for j, part in zip(batch, compute_features(target.model, rows, layers, fcfg.topk, DTYPES[fcfg.dtype],
+            for j, part in zip(batch, compute_features(target.model, rows, layers, feat_cfg.topk,
+                                                       DTYPES[feat_cfg.dtype],
                                                        target.pad_id), strict=True):
                 parts[j] = part
             tokens += sum(len(s) for s, _, _ in rows)
@@ -98,8 +100,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         write_shard(out / split / f"{shard.name}.safetensors", [rids[i] for i in keep], pk.tolist(), rk.tolist(),
                     [parts[j] for j in range(len(keep))])
     elapsed = time.perf_counter() - t0
-    manifest = {"fingerprint": fingerprint, "layers": layers, "topk": fcfg.topk, "dtype": fcfg.dtype,
-                "max_length": dcfg.max_length, "target_fingerprint": target_fp,
+    manifest = {"fingerprint": fingerprint, "layers": layers, "topk": feat_cfg.topk, "dtype": feat_cfg.dtype,
+                "max_length": data_cfg.max_length, "target_fingerprint": target_fp,
                 "generated_fingerprint": stamp.read_text().strip(), "hidden_size": config.hidden_size,
                 **({"engine": engine} if engine else {}),
                 "splits": {s: [p.name for p in found] for s, found in shards.items()}, "environment": environment()}
@@ -127,7 +129,8 @@ def shard_rows(shard: Path, max_length: int) -> tuple[list[str], Any, Any, Any, 
     return rids, keep, pk, rk, seqs, full_p
 
 
-def features_from_engine(fcfg: FeaturesConfig, tcfg: TargetConfig, target: Any, config: Any, layers: list[int],
+def features_from_engine(feat_cfg: FeaturesConfig, target_cfg: TargetConfig, target: Any, config: Any,
+                         layers: list[int],
                          max_length: int, todo: list[tuple[str, Path]], out: Path) -> tuple[dict[str, Any], int]:
     """The shards in `todo` computed by the serving engine (features.engine=vllm), each written with `write_shard`
     as the own pass writes it; (what the engine's workers report, tokens run)."""
@@ -155,12 +158,12 @@ def features_from_engine(fcfg: FeaturesConfig, tcfg: TargetConfig, target: Any, 
         nonlocal tokens
         ids, pk, rk = meta[key]
         feats, topk_ids, topk_lp = part
-        write_shard(out / f"{key}.safetensors", ids, pk, rk, [(feats.to(DTYPES[fcfg.dtype]), topk_ids, topk_lp)])
+        write_shard(out / f"{key}.safetensors", ids, pk, rk, [(feats.to(DTYPES[feat_cfg.dtype]), topk_ids, topk_lp)])
         tokens += sum(pk) + sum(rk)
         bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
 
-    topk = min(fcfg.topk, int(config.vocab_size))  # as the own pass's topk over the vocabulary
+    topk = min(feat_cfg.topk, int(config.vocab_size))  # as the own pass's topk over the vocabulary
     longest = max(len(r[0]) for s in shards for r in s["rows"])
     with tempfile.TemporaryDirectory(prefix="specdistill-target-") as tmp:
         if target is not None:  # a GGUF target: the engine reads the HF folder written from its dequantised weights
@@ -170,10 +173,12 @@ def features_from_engine(fcfg: FeaturesConfig, tcfg: TargetConfig, target: Any, 
                                       target.dtype)
             revision = None
         else:
-            model_dir, revision = Path(tcfg.name_or_path), tcfg.revision
-        job = job_for(model_dir, revision=revision, dtype=tcfg.dtype, longest=longest, context=context_length(config),
-                      batch_size=fcfg.batch_size)
-        results = features_with_engine(job, shards, layers=layers, topk=topk, workers=fcfg.engine_workers,
-                                       device=fcfg.engine_device, timeout_s=fcfg.engine_timeout_s, on_shard=on_shard)
+            model_dir, revision = Path(target_cfg.name_or_path), target_cfg.revision
+        job = job_for(model_dir, revision=revision, dtype=target_cfg.dtype, longest=longest,
+                      context=context_length(config),
+                      batch_size=feat_cfg.batch_size)
+        results = features_with_engine(job, shards, layers=layers, topk=topk, workers=feat_cfg.engine_workers,
+                                       device=feat_cfg.engine_device, timeout_s=feat_cfg.engine_timeout_s,
+                                       on_shard=on_shard)
     bar.close()
     return describe(results), tokens

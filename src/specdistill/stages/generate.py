@@ -55,37 +55,37 @@ log = logging.getLogger(__name__)
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    gcfg = section(GenerateConfig, dict(cfg["generate"]), "generate")
-    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    gen_cfg = section(GenerateConfig, dict(cfg["generate"]), "generate")
+    target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
     prompts_dir, out = Path(cfg["paths"]["prompts_dir"]), Path(cfg["paths"]["generated_dir"])
     timing_file = Path(cfg["paths"]["metrics_dir"]) / "generate.json"
     check_outputs(cfg, fingerprinted={"paths.generated_dir": out},
                   files={"paths.metrics_dir": metrics_files(timing_file)})
     splits = {}
-    for split in gcfg.splits:
+    for split in gen_cfg.splits:
         if not (prompts_dir / split).exists():
             raise GenerationError(f"prompt split {prompts_dir / split} is missing: run the prepare stage first")
         splits[split] = datasets.load_from_disk(str(prompts_dir / split))
         if len(splits[split]) == 0:
             raise GenerationError(f"prompt split {split} is empty: check the data config")
 
-    engine = engine_version() if gcfg.engine == "vllm" else None  # no engine environment: an error now
+    engine = engine_version() if gen_cfg.engine == "vllm" else None  # no engine environment: an error now
     # the engine loads an HF target in its own process; a GGUF target is loaded here to be exported for it
-    target = load_target(tcfg) if gcfg.engine == "own" or tcfg.gguf_file else None
-    tokenizer = target.tokenizer if target else load_tokenizer(tcfg)
-    config = target.config if target else load_target_config(tcfg)
-    target_fp = target.fingerprint if target else target_fingerprint(tcfg)
-    check_context(splits, gcfg.max_new_tokens, context_length(config))  # before any shard is touched
-    fingerprint = gcfg.fingerprint({"target": target_fp, "dtype": tcfg.dtype,
+    target = load_target(target_cfg) if gen_cfg.engine == "own" or target_cfg.gguf_file else None
+    tokenizer = target.tokenizer if target else load_tokenizer(target_cfg)
+    config = target.config if target else load_target_config(target_cfg)
+    target_fp = target.fingerprint if target else target_fingerprint(target_cfg)
+    check_context(splits, gen_cfg.max_new_tokens, context_length(config))  # before any shard is touched
+    fingerprint = gen_cfg.fingerprint({"target": target_fp, "dtype": target_cfg.dtype,
                                     "prompts": {s: content_hash(d) for s, d in splits.items()},
                                     **({"engine": engine} if engine else {})})
     prepare_output(out, fingerprint)
-    plan = [(s, i, range(i * gcfg.shard_size, min((i + 1) * gcfg.shard_size, len(d))))
-            for s, d in splits.items() for i in range((len(d) + gcfg.shard_size - 1) // gcfg.shard_size)]
+    plan = [(s, i, range(i * gen_cfg.shard_size, min((i + 1) * gen_cfg.shard_size, len(d))))
+            for s, d in splits.items() for i in range((len(d) + gen_cfg.shard_size - 1) // gen_cfg.shard_size)]
     todo = [p for p in plan if not (out / p[0] / shard_name(p[1])).exists()]
     timing, env = kept_timing(timing_file, fingerprint, out, plan), environment()  # env: once, not per shard
     log.info("%d shard(s) planned, %d already whole, %d to generate%s", len(plan), len(plan) - len(todo), len(todo),
-             f" with {engine} ({gcfg.engine_workers} worker(s))" if engine else "")
+             f" with {engine} ({gen_cfg.engine_workers} worker(s))" if engine else "")
 
     group = cfg.get("experiment_name", "default")
     with wandb_run(cfg.get("logger"), job_type="generate", group=group, config=cfg) as run_:
@@ -109,11 +109,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
         workers = None
         if engine:
-            workers = answer_with_engine(gcfg, tcfg, target, tokenizer, splits, todo, on_tokens, shard_done)
+            workers = answer_with_engine(gen_cfg, target_cfg, target, tokenizer, splits, todo, on_tokens, shard_done)
         for split, idx, rows in todo if not engine else []:
             t_shard = time.perf_counter()
-            cols = generate_shard(target.model, tokenizer, [splits[split][i] for i in rows], gcfg,
-                                  shard_seed(gcfg, split, idx), on_tokens)
+            cols = generate_shard(target.model, tokenizer, [splits[split][i] for i in rows], gen_cfg,
+                                  shard_seed(gen_cfg, split, idx), on_tokens)
             shard_done(f"{split}/{shard_name(idx)}", cols, time.perf_counter() - t_shard)
         bar.close()
         elapsed = time.perf_counter() - t0
@@ -127,14 +127,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             c["prompt_tokens"] += p
             c["response_tokens"] += r
         manifest = {
-            "config": {"generate": {k: v for k, v in vars(gcfg).items() if k == "splits" or k not in gcfg.HOW},
-                       "target": vars(tcfg)},
+            "config": {"generate": {k: v for k, v in vars(gen_cfg).items() if k == "splits" or k not in gen_cfg.HOW},
+                       "target": vars(target_cfg)},
             **({"engine": engine} if engine else {}),
             "target_fingerprint": target_fp,
             "fingerprint": fingerprint,
             "counts": counts,
             "columns": ["id", "input_ids", "prompt_len"]
-                       + (["topk_ids", "topk_logprobs"] if gcfg.topk_logprobs else []),
+                       + (["topk_ids", "topk_logprobs"] if gen_cfg.topk_logprobs else []),
             # tokens/s lives there, not here: timing would give identical data a new DVC hash on every rerun
             "timing": str(timing_file),
         }
@@ -151,12 +151,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def shard_seed(gcfg: GenerateConfig, split: str, idx: int) -> int:
+def shard_seed(gen_cfg: GenerateConfig, split: str, idx: int) -> int:
     """Each shard's own seed, so a resumed run samples a shard as a whole run would."""
-    return gcfg.seed * 1_000_003 + idx + (0 if split == "train" else 500_009)
+    return gen_cfg.seed * 1_000_003 + idx + (0 if split == "train" else 500_009)
 
 
-def answer_with_engine(gcfg: GenerateConfig, tcfg: TargetConfig, target: Any, tokenizer: Any, splits: dict[str, Any],
+def answer_with_engine(gen_cfg: GenerateConfig, target_cfg: TargetConfig, target: Any, tokenizer: Any,
+                       splits: dict[str, Any],
                        todo: list[tuple[str, int, range]], on_tokens: Callable[[int, int], None],
                        shard_done: Callable[[str, dict[str, list[Any]], float], None]) -> list[dict[str, Any]]:
     """The shards in `todo` answered by the serving engine (generate.engine=vllm), each handed to `shard_done` as the
@@ -164,12 +165,12 @@ def answer_with_engine(gcfg: GenerateConfig, tcfg: TargetConfig, target: Any, to
     todo_rows = {f"{split}/{shard_name(idx)}": [splits[split][i] for i in rows] for split, idx, rows in todo}
     prompts = {key: tokenise_prompts(tokenizer, rows) for key, rows in todo_rows.items()}
     shards = [{"key": f"{split}/{shard_name(idx)}", "prompts": prompts[f"{split}/{shard_name(idx)}"],
-               "seed": shard_seed(gcfg, split, idx)} for split, idx, _ in todo]
+               "seed": shard_seed(gen_cfg, split, idx)} for split, idx, _ in todo]
     longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
 
     def on_shard(key: str, rows: list[dict[str, Any]], seconds: float) -> None:
         responses = [r["response"] for r in rows]
-        topk = ([r["topk_ids"] for r in rows], [r["topk_logprobs"] for r in rows]) if gcfg.topk_logprobs else None
+        topk = ([r["topk_ids"] for r in rows], [r["topk_logprobs"] for r in rows]) if gen_cfg.topk_logprobs else None
         shard_done(key, shard_columns(todo_rows[key], prompts[key], responses, topk), seconds)
         on_tokens(len(rows), sum(len(r) for r in responses))
 
@@ -178,23 +179,25 @@ def answer_with_engine(gcfg: GenerateConfig, tcfg: TargetConfig, target: Any, to
             model_dir, gen_source = export_target(target.model, tokenizer, Path(tmp) / "target", target.fingerprint,
                                                   target.dtype), target.model
         else:
-            model_dir, gen_source = Path(tcfg.name_or_path), SimpleNamespace(generation_config=generation_config(tcfg))
-        job = {"target": str(model_dir), "revision": None if target is not None else tcfg.revision,
-               "dtype": tcfg.dtype, "max_model_len": longest + gcfg.max_new_tokens, "max_num_seqs": gcfg.batch_size,
-               "seed": gcfg.seed, "tensor_parallel_size": gcfg.engine_tp,
-               "sampling": {"temperature": gcfg.temperature, "top_p": gcfg.top_p, "top_k": gcfg.top_k,
-                            "max_tokens": gcfg.max_new_tokens, "logprobs": gcfg.topk_logprobs,
+            model_dir = Path(target_cfg.name_or_path)
+            gen_source = SimpleNamespace(generation_config=generation_config(target_cfg))
+        job = {"target": str(model_dir), "revision": None if target is not None else target_cfg.revision,
+               "dtype": target_cfg.dtype, "max_model_len": longest + gen_cfg.max_new_tokens,
+               "max_num_seqs": gen_cfg.batch_size,
+               "seed": gen_cfg.seed, "tensor_parallel_size": gen_cfg.engine_tp,
+               "sampling": {"temperature": gen_cfg.temperature, "top_p": gen_cfg.top_p, "top_k": gen_cfg.top_k,
+                            "max_tokens": gen_cfg.max_new_tokens, "logprobs": gen_cfg.topk_logprobs,
                             "stop_token_ids": sorted(stop_ids(gen_source, tokenizer))}}
-        return generate_with_engine(job, shards, workers=gcfg.engine_workers, device=gcfg.engine_device,
-                                    tp=gcfg.engine_tp, timeout_s=gcfg.engine_timeout_s, on_shard=on_shard)
+        return generate_with_engine(job, shards, workers=gen_cfg.engine_workers, device=gen_cfg.engine_device,
+                                    tp=gen_cfg.engine_tp, timeout_s=gen_cfg.engine_timeout_s, on_shard=on_shard)
 
 
-def generation_config(tcfg: TargetConfig) -> Any:
+def generation_config(target_cfg: TargetConfig) -> Any:
     """The target's generation config (its eos ids) without its weights; None when it has none."""
     from transformers import GenerationConfig
 
     try:
-        return GenerationConfig.from_pretrained(tcfg.name_or_path, revision=tcfg.revision)
+        return GenerationConfig.from_pretrained(target_cfg.name_or_path, revision=target_cfg.revision)
     except OSError:
         return None
 

@@ -53,10 +53,10 @@ def request_prompts(prompts_dir: Path, scenario: str, n: int) -> list[str]:
     return list(rows.select(range(n))["prompt"])
 
 
-def build_student(ocfg: OnlineConfig, target: Any, path: str, dec: Any) -> tuple[Any, Any, Any, Any, Any]:
+def build_student(online_cfg: OnlineConfig, target: Any, path: str, dec: Any) -> tuple[Any, Any, Any, Any, Any]:
     """(Lightning module with the float32 student, proposer over a serving copy, deploy(), save(dir, requests),
     replay(loss): a live-teacher module sharing the student for offline replay, or None)."""
-    student = methods.get(ocfg.method, "online", "online.method").online(ocfg, target, path, dec)
+    student = methods.get(online_cfg.method, "online", "online.method").online(online_cfg, target, path, dec)
 
     def deploy() -> None:  # the float32 student into the serving copy (cast to the target's dtype)
         student.serving.load_state_dict(student.student.state_dict())
@@ -65,52 +65,56 @@ def build_student(ocfg: OnlineConfig, target: Any, path: str, dec: Any) -> tuple
     return student.module, student.proposer, deploy, student.save, student.replay
 
 
-def offline_replay(cfg: dict[str, Any], ocfg: OnlineConfig, target: Any, module: Any,
+def offline_replay(cfg: dict[str, Any], online_cfg: OnlineConfig, target: Any, module: Any,
                    replay: Any = None) -> tuple[Any, Any]:
     """(an endless iterator over the offline training batches, a module with a live teacher sharing the student)."""
     import itertools
 
     from specdistill.core.data.datamodule import DataConfig, DistillDataModule
 
-    dm = DistillDataModule(DataConfig(batch_size=ocfg.batch_size, seed=ocfg.seed), cfg["paths"]["generated_dir"],
+    dm = DistillDataModule(DataConfig(batch_size=online_cfg.batch_size, seed=online_cfg.seed),
+                           cfg["paths"]["generated_dir"],
                            cfg["paths"]["prompts_dir"], tokenizer=target.tokenizer, pad_id=target.pad_id)
     dm.setup("fit")
     batches = itertools.chain.from_iterable(dm.train_dataloader() for _ in itertools.count())
     # a stored-teacher student replays through a live-teacher module sharing it; otherwise its own module
-    return batches, (replay(build_loss(ocfg.loss)) if replay is not None else module)
+    return batches, (replay(build_loss(online_cfg.loss)) if replay is not None else module)
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    ocfg = section(OnlineConfig, dict(cfg["online"]), "online")
-    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    online_cfg = section(OnlineConfig, dict(cfg["online"]), "online")
+    target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
     cross_limits(cfg)
     try:
-        build_loss(ocfg.loss)
+        build_loss(online_cfg.loss)
     except LossError as e:
         raise ConfigError(f"online.loss: {e}") from e
-    method = methods.get(ocfg.method, "online", "online.method")
-    dec = methods.decode_settings(cfg, ocfg.method, (ocfg.decode or {}).get(ocfg.method))  # checked before any load
-    if method.online_teacher == "stored" and ocfg.loss not in STORED_TEACHER_LOSSES:
-        raise ConfigError(f"online.loss={ocfg.loss}: online.method={ocfg.method} learns from the target's stored "
-                          f"top-k at the judged positions; use one of {STORED_TEACHER_LOSSES}")
+    method = methods.get(online_cfg.method, "online", "online.method")
+    dec = methods.decode_settings(cfg, online_cfg.method,
+                                  (online_cfg.decode or {}).get(online_cfg.method))  # checked before any load
+    if method.online_teacher == "stored" and online_cfg.loss not in STORED_TEACHER_LOSSES:
+        raise ConfigError(f"online.loss={online_cfg.loss}: online.method={online_cfg.method} learns from the target's "
+                          f"stored top-k at the judged positions; use one of {STORED_TEACHER_LOSSES}")
     models_dir = Path(cfg["paths"].get("models_dir", "models"))
-    check_outputs(cfg, names={"online.method": ocfg.method},
-                  replaced={"online.method": models_dir / f"online_{ocfg.method}",
-                            "paths.plots_dir": Path(cfg["paths"].get("plots_dir", "plots")) / f"online_{ocfg.method}"},
+    check_outputs(cfg, names={"online.method": online_cfg.method},
+                  replaced={"online.method": models_dir / f"online_{online_cfg.method}",
+                            "paths.plots_dir": Path(cfg["paths"].get("plots_dir",
+                                                                     "plots")) / f"online_{online_cfg.method}"},
                   files={"online.method": metrics_files(Path(cfg["paths"].get("metrics_dir", "metrics"))
-                                                        / f"online_{ocfg.method}.json")},
-                  inputs={f"online.items.{ocfg.method}": ocfg.items[ocfg.method]})
-    path = ocfg.items[ocfg.method]
+                                                        / f"online_{online_cfg.method}.json")},
+                  inputs={f"online.items.{online_cfg.method}": online_cfg.items[online_cfg.method]})
+    path = online_cfg.items[online_cfg.method]
     if not Path(path).exists():
-        raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{ocfg.method}` "
-                          f"or set online.items.{ocfg.method}")
-    texts = request_prompts(Path(cfg["paths"]["prompts_dir"]), ocfg.scenario, ocfg.requests + ocfg.held_out)
-    target = load_target(tcfg)
+        raise ConfigError(f"online: no offline draft at {path}: run `dvc repro train@{online_cfg.method}` "
+                          f"or set online.items.{online_cfg.method}")
+    texts = request_prompts(Path(cfg["paths"]["prompts_dir"]), online_cfg.scenario,
+                            online_cfg.requests + online_cfg.held_out)
+    target = load_target(target_cfg)
     tok = target.tokenizer
     stops, pad_id = target.stop_ids, target.pad_id
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    stream, held_out = prompts[: ocfg.requests], prompts[ocfg.requests:]
-    name = f"online_{ocfg.method}"
+    stream, held_out = prompts[: online_cfg.requests], prompts[online_cfg.requests:]
+    name = f"online_{online_cfg.method}"
     versions = models_dir / name
 
     def serve_all(distiller: OnlineDistiller, requests: list[list[int]], label: str) -> None:
@@ -119,13 +123,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         for prompt in tqdm(requests, desc=label, unit="req", dynamic_ncols=True):
             distiller.serve(prompt)
 
-    module, proposer, deploy, save, replay = build_student(ocfg, target, path, dec)
+    module, proposer, deploy, save, replay = build_student(online_cfg, target, path, dec)
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
-    frozen = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=False)
+    frozen = OnlineDistiller(module, proposer, verifier, online_cfg, stops, pad_id, learn=False)
     serve_all(frozen, stream + held_out, "frozen draft")
-    offline, offline_module = (offline_replay(cfg, ocfg, target, module, replay) if ocfg.replay_offline > 0
+    offline, offline_module = (offline_replay(cfg, online_cfg, target, module, replay) if online_cfg.replay_offline > 0
                                else (None, None))
-    online = OnlineDistiller(module, proposer, verifier, ocfg, stops, pad_id, learn=True, deploy=deploy,
+    online = OnlineDistiller(module, proposer, verifier, online_cfg, stops, pad_id, learn=True, deploy=deploy,
                              save=save, save_dir=versions, offline=offline, offline_module=offline_module)
     with atomic_path(versions, is_dir=True) as tmp:
         online.save_dir = tmp
@@ -133,14 +137,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         online.learn = False  # the held-out part measures the draft as it stands after the stream
         serve_all(online, held_out, "online draft, held out")
         save(tmp / "final", len(stream))
-    metrics = summarise(frozen.log, online.log, ocfg, len(stream))
-    metrics["settings"] = {**asdict(ocfg), "draft_path": path, "target_fingerprint": target.fingerprint,
-                           "dtype": tcfg.dtype, **environment()}
-    write_outputs(metrics, frozen.log, online.log, ocfg.window, Path(cfg["paths"].get("metrics_dir", "metrics")),
+    metrics = summarise(frozen.log, online.log, online_cfg, len(stream))
+    metrics["settings"] = {**asdict(online_cfg), "draft_path": path, "target_fingerprint": target.fingerprint,
+                           "dtype": target_cfg.dtype, **environment()}
+    write_outputs(metrics, frozen.log, online.log, online_cfg.window, Path(cfg["paths"].get("metrics_dir", "metrics")),
                   Path(cfg["paths"].get("plots_dir", "plots")) / name, name)
-    with wandb_run(cfg.get("logger"), job_type="online", name=f"online@{ocfg.method}",
+    with wandb_run(cfg.get("logger"), job_type="online", name=f"online@{online_cfg.method}",
                    group=cfg.get("experiment_name", "default"), config=cfg) as wb:
-        log_wandb(wb, frozen.log, online.log, ocfg.window)
+        log_wandb(wb, frozen.log, online.log, online_cfg.window)
     h = metrics["held_out"]
     log.info("%s: held-out acceptance %.3f online vs %.3f frozen (%+.3f), tau %.2f vs %.2f; %d updates, %.1f s "
              "updating vs %.1f s serving", name, h["online"]["acceptance_rate"], h["frozen"]["acceptance_rate"],
@@ -157,8 +161,8 @@ def _summary(rows: list[Any]) -> dict[str, float]:
             "tokens_per_s": round(tokens / sum(r.seconds for r in rows), 2) if rows else 0.0}
 
 
-def summarise(frozen: OnlineLog, online: OnlineLog, ocfg: OnlineConfig, n_stream: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"method": ocfg.method, "scenario": ocfg.scenario}
+def summarise(frozen: OnlineLog, online: OnlineLog, online_cfg: OnlineConfig, n_stream: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": online_cfg.method, "scenario": online_cfg.scenario}
     for part, sl in (("stream", slice(0, n_stream)), ("held_out", slice(n_stream, None))):
         f, o = _summary(frozen.served[sl]), _summary(online.served[sl])
         out[part] = {"frozen": f, "online": o, "gain": round(o["acceptance_rate"] - f["acceptance_rate"], 4)}

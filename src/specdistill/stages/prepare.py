@@ -35,18 +35,18 @@ def save_split(rows: list[dict[str, Any]], final: Path) -> None:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    dcfg = dict(cfg["data"])
-    src = section(SourceConfig, dict(dcfg.pop("source")), "data.source")
-    pcfg = section(PrepareConfig, dcfg, "data", source=src)
+    data_cfg = dict(cfg["data"])
+    src = section(SourceConfig, dict(data_cfg.pop("source")), "data.source")
+    pcfg = section(PrepareConfig, data_cfg, "data", source=src)
     out = Path(cfg["paths"]["prompts_dir"])
     check_outputs(cfg, locked={"paths.prompts_dir": out})
-    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
-    context = context_length(load_target_config(tcfg))
+    target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
+    context = context_length(load_target_config(target_cfg))
     if context is not None and pcfg.max_prompt_tokens >= context:
         raise PromptError(f"data.max_prompt_tokens={pcfg.max_prompt_tokens} leaves no room for an answer in the "
                           f"target's context of {context} positions: lower it (the answer needs "
                           "generate.max_new_tokens more)")
-    tokenizer = load_tokenizer(tcfg)
+    tokenizer = load_tokenizer(target_cfg)
     with wandb_run(cfg.get("logger"), job_type="prepare", group=cfg.get("experiment_name", "default"),
                    config=cfg) as run_:
         summary = _prepare(src, pcfg, tokenizer, out, context)

@@ -87,7 +87,7 @@ def run(cfg: dict[str, Any], job: Job | None = None) -> dict[str, Any]:
     built = c.method.build(methods.TrainContext(c.mcfg, c.size, c.data, cfg, target, datamodule, stops, pad_id, common))
     module = built.module
     stamp = config_hash({"method": asdict(c.mcfg), "draft": asdict(c.size) if c.size else None,
-                         "loss": asdict(c.lcfg), "distill": cfg["distill"], "trainer": c.trainer,
+                         "loss": asdict(c.loss_cfg), "distill": cfg["distill"], "trainer": c.trainer,
                          "target": target.fingerprint, "data": data_stamp, "seed": cfg.get("seed")})
     trainer, logger, ckpt_path = lightning_trainer(c, cfg, stamp)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -118,7 +118,7 @@ class Checked:
     method: Any
     mcfg: Any
     size: Any  # the method's draft size (its `draft_size` dataclass), or None
-    lcfg: LossConfig
+    loss_cfg: LossConfig
     distill: DistillConfig
     data: DataConfig
     target: TargetConfig
@@ -131,16 +131,16 @@ class Checked:
 
 def check(cfg: dict[str, Any], job: Job | None) -> Checked:
     key = cfg.get("method")
-    method, mcfg, size, lcfg, distill = method_sections(cfg, key)
+    method, mcfg, size, loss_cfg, distill = method_sections(cfg, key)
     dist = section(DistillConfig, distill, "distill")
     cfg = {**cfg, "distill": distill}  # what this method trains with: the settings and the stamp say so
-    dcfg = section(DataConfig, dict(dist.data), "distill.data")  # methods.<key>.data over it
-    tcfg = section(TargetConfig, dict(cfg["target"]), "target")
+    data_cfg = section(DataConfig, dict(dist.data), "distill.data")  # methods.<key>.data over it
+    target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
     try:
-        loss = build_loss(lcfg.name, lcfg.temperature, **(lcfg.params or {}))  # null: none
+        loss = build_loss(loss_cfg.name, loss_cfg.temperature, **(loss_cfg.params or {}))  # null: none
     except LossError as e:
         raise ConfigError(f"methods.{key}.loss: {e}") from e
-    check_teacher(key, method, dist, dcfg, lcfg, loss)
+    check_teacher(key, method, dist, data_cfg, loss_cfg, loss)
     optimizer = build_optimizer(dist.optimizer, f"methods.{key}.optimizer")
     scheduler = build_optimizer(dist.scheduler, "distill.scheduler", probe=False) if dist.scheduler else None
     trainer_kwargs = {**dict(cfg["trainer"]), **(mcfg.trainer or {})}  # methods.<m>.trainer wins (every method has one)
@@ -149,15 +149,16 @@ def check(cfg: dict[str, Any], job: Job | None) -> Checked:
     if trainer_kwargs.get("precision") == "auto":  # resolved here, so the record and the stamp name what ran
         trainer_kwargs["precision"] = auto_precision(str(trainer_kwargs.get("accelerator", "auto")))
     label = method.label(mcfg, size) if method.label else method.name
-    check_outputs(cfg, names={"distill.output": dist.output or key, f"methods.{key}.loss.name": lcfg.name,
+    check_outputs(cfg, names={"distill.output": dist.output or key, f"methods.{key}.loss.name": loss_cfg.name,
                               f"methods.{key}": label})
-    plan = plan_outputs(cfg, key, label, lcfg.name, dist.output, job)
+    plan = plan_outputs(cfg, key, label, loss_cfg.name, dist.output, job)
     check_outputs(cfg, replaced={"distill.output": plan.model_dir,
                                  **({"paths.plots_dir": plan.plots_dir} if plan.plots_dir else {})},
                   fingerprinted={"paths.checkpoints_dir": plan.ckpt_dir},
                   files={"paths.metrics_dir": metrics_files(plan.metrics_file)},
                   inputs={f"methods.{key}.init_from": mcfg.init_from})
-    return Checked(cfg, key, method, mcfg, size, lcfg, dist, dcfg, tcfg, loss, optimizer, scheduler, trainer_kwargs,
+    return Checked(cfg, key, method, mcfg, size, loss_cfg, dist, data_cfg, target_cfg, loss, optimizer, scheduler,
+                   trainer_kwargs,
                    plan)
 
 
@@ -220,30 +221,31 @@ def method_sections(cfg: dict[str, Any], key: str) -> tuple[Any, Any, Any, LossC
         raise ConfigError(f"methods.{key}.draft: " + (f"{name} sizes its draft there (conf/draft/)" if method.draft_size
                                                       else f"{name} takes no draft size; remove it"))
     size = section(method.draft_size, dict(shared["draft"]), f"methods.{key}.draft") if method.draft_size else None
-    lcfg = section(LossConfig, dict(shared["loss"]), f"methods.{key}.loss")
+    loss_cfg = section(LossConfig, dict(shared["loss"]), f"methods.{key}.loss")
     distill = {**cfg["distill"], "optimizer": shared["optimizer"],
                "data": {**cfg["distill"]["data"], **(shared.get("data") or {})}}
     if getattr(mcfg, "teacher", None):  # methods.<m>.teacher wins over distill.teacher (an experiment's EAGLE choice)
         distill["teacher"] = mcfg.teacher
-    return method, mcfg, size, lcfg, distill
+    return method, mcfg, size, loss_cfg, distill
 
 
-def check_teacher(key: str, method: Any, dist: DistillConfig, dcfg: DataConfig, lcfg: LossConfig, loss: Any) -> None:
+def check_teacher(key: str, method: Any, dist: DistillConfig, data_cfg: DataConfig, loss_cfg: LossConfig,
+                  loss: Any) -> None:
     """The teacher, the data source and the loss must fit together and the method."""
-    if method.reads_hidden and (dist.teacher == "stored" or dcfg.source not in ("target", "dataset")):
+    if method.reads_hidden and (dist.teacher == "stored" or data_cfg.source not in ("target", "dataset")):
         raise ConfigError(f"method={key} reads the frozen target's hidden states on fixed data: "
                           f"it needs distill.teacher=live or precomputed (got {dist.teacher}) "
-                          f"and distill.data.source=target or dataset (got {dcfg.source})")
-    if dist.teacher == "precomputed" and (not method.precomputed or dcfg.source != "target"):
+                          f"and distill.data.source=target or dataset (got {data_cfg.source})")
+    if dist.teacher == "precomputed" and (not method.precomputed or data_cfg.source != "target"):
         raise ConfigError(f"distill.teacher=precomputed reads the features stage's store, made for EAGLE heads "
                           f"(method={'/'.join(n for n in methods.names('train') if methods.find(n).precomputed)}) "
                           f"on the generate stage's answers (distill.data.source=target); "
-                          f"got method={key}, source={dcfg.source}: use distill.teacher=live")
-    if dist.teacher == "stored" and dcfg.source in ("draft", "mix"):
-        raise ConfigError(f"distill.data.source={dcfg.source} trains on the draft's own samples, which have no stored "
-                          "top-k: use distill.teacher=live")
+                          f"got method={key}, source={data_cfg.source}: use distill.teacher=live")
+    if dist.teacher == "stored" and data_cfg.source in ("draft", "mix"):
+        raise ConfigError(f"distill.data.source={data_cfg.source} trains on the draft's own samples, which have no "
+                          "stored top-k: use distill.teacher=live")
     if dist.teacher in ("stored", "precomputed") and loss.needs_full_teacher:
-        raise ConfigError(f"methods.{key}.loss={lcfg.name} needs the target's full distribution; "
+        raise ConfigError(f"methods.{key}.loss={loss_cfg.name} needs the target's full distribution; "
                           f"distill.teacher={dist.teacher} keeps only its top-k: "
                           f"use distill.teacher=live or loss fkl / topk_kl")
 
@@ -299,7 +301,7 @@ def record(c: Checked, cfg: dict[str, Any], final: dict[str, float], steps: int,
            built: Any) -> dict[str, Any]:
     """The run's record: the final validation figures and every setting that shaped it."""
     module = built.module
-    settings = {"method": asdict(c.mcfg), "draft": asdict(c.size) if c.size else None, "loss": asdict(c.lcfg),
+    settings = {"method": asdict(c.mcfg), "draft": asdict(c.size) if c.size else None, "loss": asdict(c.loss_cfg),
                 "distill": cfg["distill"], "trainer": c.trainer, "experiment": cfg.get("experiment_name", "default"),
                 "target_fingerprint": target.fingerprint, "train_tokens": datamodule.num_train_tokens,
                 "val_tokens": datamodule.num_val_tokens,

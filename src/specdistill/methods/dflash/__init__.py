@@ -127,7 +127,7 @@ class DFlashDecode:
     RANGES: ClassVar[dict[str, str]] = {"k": "[1, 64]", "branching": "[1, 64]"}
 
 
-def drafting(ecfg: Any, target: Any, dec: DFlashDecode) -> Drafting:
+def drafting(eval_cfg: Any, target: Any, dec: DFlashDecode) -> Drafting:
     from specdistill.core.models.heads_io import parameter_bytes, training_summary
     from specdistill.methods.dflash.model import load_dflash
     from specdistill.methods.dflash.proposer import DFlashProposer
@@ -150,11 +150,11 @@ def drafting(ecfg: Any, target: Any, dec: DFlashDecode) -> Drafting:
     return Drafting(proposer, info, max_depth=proposer.k)
 
 
-def deterministic_branch(ecfg: Any, dec: DFlashDecode) -> str | None:
+def deterministic_branch(eval_cfg: Any, dec: DFlashDecode) -> str | None:
     return None if dec.branching else "decode.dflash.branching (a tree of each slot's top tokens)"
 
 
-def write_export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
+def write_export(export_cfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     """The speculators DFlash format (config, tensors, the mask embedding), checked against the exported target."""
     import torch
 
@@ -162,7 +162,7 @@ def write_export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> No
     from specdistill.methods.dflash.model import load_dflash
 
     target = load_target()
-    drafter = load_dflash(trained_folder(ecfg, "dflash", "export"), target.model, dtype=torch.float32,
+    drafter = load_dflash(trained_folder(export_cfg, "dflash", "export"), target.model, dtype=torch.float32,
                           target_fingerprint=target.fingerprint)
     export_dflash(drafter, out, target_dir)
 
@@ -174,16 +174,16 @@ def max_k(draft_dir: str) -> int:
     return int(json.loads((Path(draft_dir) / "config.json").read_text())["block_size"]) - 1
 
 
-def speculative_config(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+def speculative_config(serve_cfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
     return {"method": "dflash", "model": draft_dir, "num_speculative_tokens": k}
 
 
-def agreement_proposer(scfg: Any, target: Any, k: int) -> Any:
+def agreement_proposer(serve_cfg: Any, target: Any, k: int) -> Any:
     """The engine's DFlash chain in our decoder: the argmax of slots 1..K of one block."""
     from specdistill.methods.dflash.model import load_dflash
     from specdistill.methods.dflash.proposer import DFlashProposer
 
-    drafter = load_dflash(trained_folder(scfg, "dflash", "serve"), target.model, dtype=target.model.dtype,
+    drafter = load_dflash(trained_folder(serve_cfg, "dflash", "serve"), target.model, dtype=target.model.dtype,
                           target_fingerprint=target.fingerprint)
     return DFlashProposer(drafter, k=k)
 

@@ -42,7 +42,7 @@ def build(ctx: TrainContext) -> Built:
     from specdistill.methods.draft.training import DraftLMModule, OnPolicy
 
     mcfg: DraftMethodConfig = ctx.method
-    size, dcfg, cfg, target, datamodule = ctx.size, ctx.data, ctx.cfg, ctx.target, ctx.datamodule
+    size, data_cfg, cfg, target, datamodule = ctx.size, ctx.data, ctx.cfg, ctx.target, ctx.datamodule
     stops, pad_id, common = ctx.stops, ctx.pad_id, ctx.module_args
     if mcfg.init_from:
         draft = load_draft(mcfg.init_from).float().train().requires_grad_(True)
@@ -58,9 +58,9 @@ def build(ctx: TrainContext) -> Built:
         # 28M input weights on SmolLM2 that the target already trained: no optimizer state for them
         draft.get_input_embeddings().requires_grad_(False)
     onpolicy = None
-    if dcfg.source in ("draft", "mix"):
-        onpolicy = OnPolicy(fraction=1.0 if dcfg.source == "draft" else dcfg.mix_lambda,
-                            max_new_tokens=dcfg.max_response_tokens, stops=stops, pad_id=pad_id,
+    if data_cfg.source in ("draft", "mix"):
+        onpolicy = OnPolicy(fraction=1.0 if data_cfg.source == "draft" else data_cfg.mix_lambda,
+                            max_new_tokens=data_cfg.max_response_tokens, stops=stops, pad_id=pad_id,
                             seed=int(cfg.get("seed", 0)))
     module = DraftLMModule(target.model, draft, onpolicy=onpolicy, **common)
 
@@ -81,7 +81,7 @@ class DraftDecode:
     RANGES: ClassVar[dict[str, str]] = {"layers": "[1, inf)"}
 
 
-def drafting(ecfg: Any, target: Any, dec: DraftDecode) -> Drafting:
+def drafting(eval_cfg: Any, target: Any, dec: DraftDecode) -> Drafting:
     """A trained draft (decode.draft.path) or the target's first decode.draft.layers layers, as a chain or a
     tree."""
     from specdistill.core.models.heads_io import training_summary
@@ -99,12 +99,12 @@ def drafting(ecfg: Any, target: Any, dec: DraftDecode) -> Drafting:
             "draft_parameters": sum(p.numel() for p in draft.parameters()),
             "draft_vocab": len(draft.d2t) if reduced else target.vocab_size,
             "draft_training": training_summary(dec.path)}
-    proposer = DraftLMProposer(draft, k=ecfg.k, branching=ecfg.tree, capacity=ecfg.capacity)
-    return Drafting(proposer, info, max_depth=len(ecfg.tree) if ecfg.tree else ecfg.k,
+    proposer = DraftLMProposer(draft, k=eval_cfg.k, branching=eval_cfg.tree, capacity=eval_cfg.capacity)
+    return Drafting(proposer, info, max_depth=len(eval_cfg.tree) if eval_cfg.tree else eval_cfg.k,
                     assistant=None if reduced else draft)
 
 
-def online(ocfg: Any, target: Any, path: str, dec: DraftDecode) -> OnlineStudent:
+def online(online_cfg: Any, target: Any, path: str, dec: DraftDecode) -> OnlineStudent:
     import torch
 
     from specdistill.methods.draft.model import check_same_vocabulary, load_draft, save_draft
@@ -115,7 +115,7 @@ def online(ocfg: Any, target: Any, path: str, dec: DraftDecode) -> OnlineStudent
     draft = load_draft(path).float().to(target.device).requires_grad_(True)
     check_same_vocabulary(draft, target.model)
     draft.get_input_embeddings().requires_grad_(False)  # as offline: the target's embeddings stay
-    module = DraftLMModule(target.model, draft, loss=build_loss(ocfg.loss), optimizer=torch.optim.AdamW,
+    module = DraftLMModule(target.model, draft, loss=build_loss(online_cfg.loss), optimizer=torch.optim.AdamW,
                            teacher="stored")
     serving = copy.deepcopy(draft).to(target.model.dtype).eval().requires_grad_(False)
 
@@ -125,26 +125,26 @@ def online(ocfg: Any, target: Any, path: str, dec: DraftDecode) -> OnlineStudent
     def replay(loss: Any) -> Any:
         return DraftLMModule(target.model, draft, loss=loss, optimizer=torch.optim.AdamW)
 
-    return OnlineStudent(module, DraftLMProposer(serving, k=ocfg.k), draft, serving, save, replay)
+    return OnlineStudent(module, DraftLMProposer(serving, k=online_cfg.k), draft, serving, save, replay)
 
 
-def write_export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
+def write_export(export_cfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     """A plain HF folder over the target's whole vocabulary (vLLM's draft_model, HF's assistant_model); the
     target itself need not load."""
     from specdistill.methods.draft.export import export_draft
 
-    export_draft(trained_folder(ecfg, "draft", "export"), out, target_dir)
+    export_draft(trained_folder(export_cfg, "draft", "export"), out, target_dir)
 
 
-def speculative_config(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+def speculative_config(serve_cfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
     return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
 
 
-def agreement_proposer(scfg: Any, target: Any, k: int) -> Any:
+def agreement_proposer(serve_cfg: Any, target: Any, k: int) -> Any:
     from specdistill.methods.draft.model import load_draft
     from specdistill.methods.draft.proposer import DraftLMProposer
 
-    return DraftLMProposer(load_draft(trained_folder(scfg, "draft", "serve"), dtype=target.model.dtype), k=k)
+    return DraftLMProposer(load_draft(trained_folder(serve_cfg, "draft", "serve"), dtype=target.model.dtype), k=k)
 
 
 def describe(s: dict[str, Any]) -> tuple[str, str]:
@@ -162,6 +162,6 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
 register(Method("draft", __doc__, describe=describe, describe_training=describe_training, config=DraftMethodConfig,
                 build=build, label=lambda mcfg, size: size.name, draft_size=DraftSize, check=check, decode=DraftDecode,
                 draft=drafting,
-                deterministic_branch=lambda ecfg, dec: None if ecfg.tree else "eval.tree=[...] (a top-k tree)",
+                deterministic_branch=lambda eval_cfg, dec: None if eval_cfg.tree else "eval.tree=[...] (a top-k tree)",
                 online=online, online_teacher="stored", export=write_export, speculative_config=speculative_config,
                 agreement_proposer=agreement_proposer))

@@ -107,7 +107,7 @@ class EagleDecode:
             raise ConfigError(f"decode.eagle.tree: {e}") from e
 
 
-def drafting(ecfg: Any, target: Any, dec: EagleDecode) -> Drafting:
+def drafting(eval_cfg: Any, target: Any, dec: EagleDecode) -> Drafting:
     from dataclasses import asdict
 
     from specdistill.core.models.heads_io import parameter_bytes, training_summary
@@ -118,7 +118,7 @@ def drafting(ecfg: Any, target: Any, dec: EagleDecode) -> Drafting:
         raise ConfigError("eval.method=eagle needs decode.eagle.path (train@eagle writes models/eagle)")
     model = target.model
     head = load_eagle(dec.path, model, dtype=model.dtype, target_fingerprint=target.fingerprint)
-    eagle = EagleProposer(head, dec.tree_config(), capacity=ecfg.capacity)
+    eagle = EagleProposer(head, dec.tree_config(), capacity=eval_cfg.capacity)
     n_params, n_bytes = parameter_bytes(head, model.dtype)
     info = {"draft": dec.path, "draft_parameters": n_params, "draft_bytes": n_bytes,
             "draft_vocab": head.cfg.draft_vocab_size or head.cfg.vocab_size, "eagle_variant": label(head.cfg, None),
@@ -127,11 +127,11 @@ def drafting(ecfg: Any, target: Any, dec: EagleDecode) -> Drafting:
     return Drafting(eagle, info, max_depth=depth)
 
 
-def deterministic_branch(ecfg: Any, dec: EagleDecode) -> str | None:
+def deterministic_branch(eval_cfg: Any, dec: EagleDecode) -> str | None:
     return "decode.eagle.tree.shape=dynamic (or static)" if dec.tree_config().shape == "chain" else None
 
 
-def online(ocfg: Any, target: Any, path: str, dec: EagleDecode) -> OnlineStudent:
+def online(online_cfg: Any, target: Any, path: str, dec: EagleDecode) -> OnlineStudent:
     import torch
 
     from specdistill.core.models.heads_io import read_settings
@@ -147,7 +147,7 @@ def online(ocfg: Any, target: Any, path: str, dec: EagleDecode) -> OnlineStudent
     trained = read_settings(path).get("method", {})
     module = EagleModule(target.model, head, ttt_steps=int(trained.get("ttt_steps", 1)),
                          feature_weight=float(trained.get("feature_weight", 0.0)),
-                         ce_weight=float(trained.get("ce_weight", 1.0)), loss=build_loss(ocfg.loss),
+                         ce_weight=float(trained.get("ce_weight", 1.0)), loss=build_loss(online_cfg.loss),
                          optimizer=torch.optim.AdamW, teacher="live")
     serving = load_eagle(path, target.model, dtype=target.model.dtype, target_fingerprint=target.fingerprint)
 
@@ -157,7 +157,7 @@ def online(ocfg: Any, target: Any, path: str, dec: EagleDecode) -> OnlineStudent
     return OnlineStudent(module, EagleProposer(serving, dec.tree_config()), head, serving, save)
 
 
-def write_export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
+def write_export(export_cfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     """EAGLE-3 in the speculators format vLLM loads natively, checked against the exported target."""
     import torch
 
@@ -165,20 +165,20 @@ def write_export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> No
     from specdistill.methods.eagle.model import load_eagle
 
     target = load_target()
-    head = load_eagle(trained_folder(ecfg, "eagle", "export"), target.model, dtype=torch.float32,
+    head = load_eagle(trained_folder(export_cfg, "eagle", "export"), target.model, dtype=torch.float32,
                       target_fingerprint=target.fingerprint)
-    export_eagle3(head, out, target_dir, num_speculative_tokens=ecfg.num_speculative_tokens)
+    export_eagle3(head, out, target_dir, num_speculative_tokens=export_cfg.num_speculative_tokens)
 
 
-def speculative_config(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+def speculative_config(serve_cfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
     return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
 
 
-def agreement_proposer(scfg: Any, target: Any, k: int) -> Any:
+def agreement_proposer(serve_cfg: Any, target: Any, k: int) -> Any:
     from specdistill.methods.eagle.model import load_eagle
     from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
 
-    head = load_eagle(trained_folder(scfg, "eagle", "serve"), target.model, dtype=target.model.dtype,
+    head = load_eagle(trained_folder(serve_cfg, "eagle", "serve"), target.model, dtype=target.model.dtype,
                       target_fingerprint=target.fingerprint)
     return EagleProposer(head, EagleTreeConfig(shape="chain", k=k))
 

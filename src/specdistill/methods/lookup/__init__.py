@@ -34,19 +34,19 @@ def lookup_proposer(dec: LookupDecode) -> Any:
     return PromptLookupProposer(dec.k, dec.max_ngram, dec.min_ngram, dec.branches)
 
 
-def drafting(ecfg: Any, target: Any, dec: LookupDecode) -> Drafting:
+def drafting(eval_cfg: Any, target: Any, dec: LookupDecode) -> Drafting:
     return Drafting(lookup_proposer(dec), {"lookup": asdict(dec)}, max_depth=dec.k)
 
 
-def speculative_config(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": scfg.ngram_max,
-            "prompt_lookup_min": scfg.ngram_min}
+def speculative_config(serve_cfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": serve_cfg.ngram_max,
+            "prompt_lookup_min": serve_cfg.ngram_min}
 
 
-def agreement_proposer(scfg: Any, target: Any, k: int) -> Any:
+def agreement_proposer(serve_cfg: Any, target: Any, k: int) -> Any:
     from specdistill.methods.lookup.proposer import PromptLookupProposer
 
-    return PromptLookupProposer(k, scfg.ngram_max, scfg.ngram_min, 1)
+    return PromptLookupProposer(k, serve_cfg.ngram_max, serve_cfg.ngram_min, 1)
 
 
 def describe(s: dict[str, Any]) -> tuple[str, str]:

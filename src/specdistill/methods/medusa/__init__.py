@@ -78,7 +78,7 @@ def choices(dec: MedusaDecode) -> list[tuple[int, ...]]:
                       "give decode.medusa.choices")
 
 
-def drafting(ecfg: Any, target: Any, dec: MedusaDecode) -> Drafting:
+def drafting(eval_cfg: Any, target: Any, dec: MedusaDecode) -> Drafting:
     from specdistill.core.models.heads_io import parameter_bytes, training_summary
     from specdistill.methods.medusa.model import load_medusa
     from specdistill.methods.medusa.proposer import MedusaProposer
@@ -97,13 +97,13 @@ def drafting(ecfg: Any, target: Any, dec: MedusaDecode) -> Drafting:
     return Drafting(MedusaProposer(heads, tree), info, max_depth=heads.num_heads)
 
 
-def write_export(ecfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
+def write_export(export_cfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
     """vLLM's Medusa layout (a reduced head as its token map), checked against the exported target; the target
     itself need not load."""
     from specdistill.methods.medusa.export import export_medusa
     from specdistill.methods.medusa.model import load_medusa
 
-    export_medusa(load_medusa(trained_folder(ecfg, "medusa", "export")), out, target_dir)
+    export_medusa(load_medusa(trained_folder(export_cfg, "medusa", "export")), out, target_dir)
 
 
 def max_k(draft_dir: str) -> int:
@@ -113,17 +113,17 @@ def max_k(draft_dir: str) -> int:
     return int(json.loads((Path(draft_dir) / "config.json").read_text())["num_heads"])
 
 
-def speculative_config(scfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
+def speculative_config(serve_cfg: Any, k: int, draft_dir: str | None) -> dict[str, Any]:
     """vLLM drafts the first K heads' top-1 tokens (K up to `max_k`: the serve stage leaves out the rest)."""
     return {"method": "medusa", "model": draft_dir, "num_speculative_tokens": k}
 
 
-def agreement_proposer(scfg: Any, target: Any, k: int) -> Any:
+def agreement_proposer(serve_cfg: Any, target: Any, k: int) -> Any:
     """The engine's Medusa chain in our decoder: the top-1 of heads 1..K."""
     from specdistill.methods.medusa.model import load_medusa
     from specdistill.methods.medusa.proposer import MedusaProposer
 
-    heads = load_medusa(trained_folder(scfg, "medusa", "serve"), dtype=target.model.dtype,
+    heads = load_medusa(trained_folder(serve_cfg, "medusa", "serve"), dtype=target.model.dtype,
                         target_fingerprint=target.fingerprint, target=target.model).to(target.device)
     return MedusaProposer(heads, [(0,) * d for d in range(1, k + 1)])
 
@@ -146,7 +146,7 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
 register(Method("medusa", __doc__, config=MedusaMethodConfig, build=build,
                 label=lambda mcfg, size: f"k{mcfg.num_heads}", reads_hidden=True, decode=MedusaDecode,
                 draft=drafting,
-                deterministic_branch=lambda ecfg, dec: None,  # its tree is deterministic
+                deterministic_branch=lambda eval_cfg, dec: None,  # its tree is deterministic
                 export=write_export, speculative_config=speculative_config, max_k=max_k,
                 agreement_proposer=agreement_proposer,
                 describe=describe, describe_training=describe_training, training_tables=report_tables))
