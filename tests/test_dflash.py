@@ -395,3 +395,35 @@ with torch.no_grad():
     with torch.no_grad():
         ours = drafter.refiner(prev, states)[..., torch.argsort(d2t)]  # the export's order: ascending target ids
     torch.testing.assert_close(theirs["bias"], ours, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("refiner_rank", [0, 4])
+def test_a_speculators_dflash_or_xpress_folder_drafts_as_the_drafter_it_came_from(tmp_path, target, tiny_tokenizer,
+                                                                                    refiner_rank):
+    """decode.dflash.path may name a speculators-format DFlash or XPress folder (ours, or any speculators trainer's):
+    read back, it drafts exactly as the drafter it was written from; a causal block or the DeepSeek slot layout is
+    refused, and a folder without our mask file takes the target's embedding of its mask token."""
+    from specdistill.export.target import export_target
+    from specdistill.methods.dflash.export import MASK_FILE, export_dflash
+    from specdistill.methods.dflash.model import DFlashError
+
+    drafter = random_drafter(target, torch.tensor([9, 4, 7, 30, 50, 2]), refiner_rank=refiner_rank, scale=0.5)
+    drafter.cfg.target_fingerprint = "fp"
+    verifier = export_target(target, tiny_tokenizer, tmp_path / "t", fingerprint="fp")
+    out = export_dflash(drafter, tmp_path / "d", verifier)
+    back = load_dflash(out, target, target_fingerprint="fp")
+    assert back.cfg.refiner_rank == refiner_rank and back.cfg.feature_layers == sorted(drafter.cfg.feature_layers)
+    for branching in (None, [2, 2]):
+        runs = [speculative_generate(TargetVerifier(target, 128, feature_layers=p.feature_layers), p, PROMPTS[0], 16,
+                                     set(), SamplingConfig(1.0), torch.Generator().manual_seed(2))
+                for p in (DFlashProposer(drafter, branching=branching), DFlashProposer(back, branching=branching))]
+        assert runs[0].tokens == runs[1].tokens
+        assert [r.alpha_exact for r in runs[0].rounds] == pytest.approx([r.alpha_exact for r in runs[1].rounds],
+                                                                        abs=1e-5)
+    (out / MASK_FILE).unlink()  # a speculators-trained folder: the engine uses the mask token's embedding
+    bare = load_dflash(out, target, target_fingerprint="fp")
+    assert torch.equal(bare.mask_embedding.detach(), target.get_input_embeddings().weight[1].detach())
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "sample_from_anchor": True}))
+    with pytest.raises(DFlashError, match="sample_from_anchor=True"):
+        load_dflash(out, target)

@@ -259,3 +259,56 @@ def test_the_engine_runs_its_core_in_the_workers_process_unless_asked(tmp_path, 
     assert engine_env(py, multiprocessing=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert engine_env(py)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_a_speculators_eagle3_folder_drafts_as_the_head_it_came_from(exported, tmp_path, eagle31):
+    """decode.eagle.path may name a speculators-format EAGLE-3 folder (ours, or any speculators trainer's): read back,
+    it drafts exactly as the head it was written from (unsorted layers and draft vocabulary, EAGLE-3.1's flags), so
+    our decoder measures a reference trainer's checkpoint as it measures ours."""
+    from specdistill.decoding.loop import speculative_generate
+    from specdistill.decoding.protocols import SamplingConfig
+    from specdistill.decoding.verifier import TargetVerifier
+    from specdistill.methods.eagle.model import load_eagle
+    from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+
+    model, folder = exported
+    head = build_eagle(model, "eagle3", [3, 1, 2], d2t=torch.tensor([7, 3, 100, 5, 64, 2, 9, 40]), fingerprint="fp-a",
+                       fc_norm=eagle31, norm_output=eagle31)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    head = head.eval()
+    back = load_eagle(export_eagle3(head, tmp_path / "eagle", folder), model, target_fingerprint="fp-a")
+    assert back.cfg.feature_layers == [1, 2, 3] and back.cfg.fc_norm is eagle31 and back.cfg.norm_output is eagle31
+
+    def run(h, tree, sampling):
+        proposer = EagleProposer(h, tree, capacity=64)
+        verifier = TargetVerifier(model, 64, feature_layers=proposer.feature_layers)
+        return speculative_generate(verifier, proposer, [1, 5, 6, 7], 12, set(), sampling,
+                                    torch.Generator().manual_seed(1))
+
+    static = EagleTreeConfig(shape="static", branching=[3, 2])
+    assert [r.accepted for r in run(head, static, SamplingConfig()).rounds] == \
+        [r.accepted for r in run(back, static, SamplingConfig()).rounds]
+    chain = EagleTreeConfig(shape="chain", k=3)
+    ours, theirs = (run(h, chain, SamplingConfig(1.0)).rounds for h in (head, back))
+    assert [r.alpha_exact for r in ours] == pytest.approx([r.alpha_exact for r in theirs], abs=1e-5)
+
+
+def test_a_speculators_folder_for_another_verifier_or_head_is_refused(exported, tmp_path, tiny_tokenizer):
+    from specdistill.methods.eagle.model import EagleError, load_eagle
+
+    model, folder = exported
+    out = export_eagle3(build_eagle(model, "eagle3", [3, 1, 2], fingerprint="fp-a"), tmp_path / "eagle", folder)
+    with pytest.raises(EagleError, match="fingerprint"):  # names an exported target this one is not
+        load_eagle(out, model, target_fingerprint="fp-b")
+    other = make_model(len(tiny_tokenizer) + 8, layers=4)  # another tokenizer
+    with pytest.raises(EagleError, match="vocabulary .* and width"):
+        load_eagle(out, other)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "norm_before_residual": True}))
+    with pytest.raises(EagleError, match="norm_before_residual.*another drafter"):  # speculators' other recipe
+        load_eagle(out, model)

@@ -62,3 +62,28 @@ def speculators_header(algorithm: str, architecture: str, k: int, target_dir: Pa
                          "architectures": list(target_config.get("architectures") or ["LlamaForCausalLM"])},
         },
     }
+
+
+def is_speculators_folder(path: str | Path) -> bool:
+    """A speculators-format folder (any trainer's: ours, `speculators train`'s): config.json names its model type."""
+    config = Path(path) / "config.json"
+    return config.exists() and "speculators_model_type" in json.loads(config.read_text())
+
+
+def check_verifier(path: Path, config: dict[str, Any], target: Any, target_fingerprint: str | None,
+                   error: type[Exception]) -> None:
+    """Refuse a speculators checkpoint for another verifier than `target` (the HF model): another vocabulary or
+    width, or an exported target of ours whose fingerprint is not this target's (it reads that target's states)."""
+    layer = config["transformer_layer_config"]
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    where = f"{path} (verifier {verifier.get('name_or_path')!r})"
+    width = config.get("target_hidden_size") or layer["hidden_size"]
+    t = target.config
+    if layer["vocab_size"] != t.vocab_size or width != t.hidden_size:
+        raise error(f"{where} drafts for a verifier of vocabulary {layer['vocab_size']} and width {width}; this "
+                    f"target has {t.vocab_size} and {t.hidden_size}: evaluate it with the target it was trained on")
+    named = Path(str(verifier.get("name_or_path") or ""))
+    trained_on = exported_fingerprint(named) if named.is_dir() else None
+    if trained_on and target_fingerprint and target_fingerprint not in target_identities(named):
+        raise error(f"{where} names an exported target of fingerprint {trained_on[:24]}..., and this target is "
+                    f"{target_fingerprint[:24]}...: it reads that target's hidden states; evaluate it with that target")

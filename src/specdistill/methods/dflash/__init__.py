@@ -121,7 +121,7 @@ def build(ctx: TrainContext) -> Built:
 class DFlashDecode:
     """decode.dflash (conf/decode/dflash.yaml): the drafter and what it drafts each round (one forward)."""
 
-    path: str | None = None  # train@dflash writes models/dflash
+    path: str | None = None  # train@dflash writes models/dflash; or a speculators DFlash / XPress folder
     k: int | None = None  # tokens drafted per block; null: the whole block (block_size - 1)
     branching: list[int] | None = None  # a tree: the top-b tokens of each slot, b per depth (null: a chain)
     RANGES: ClassVar[dict[str, str]] = {"k": "[1, 64]", "branching": "[1, 64]"}

@@ -29,8 +29,7 @@ import torch
 from specdistill.core.io import atomic_path
 from specdistill.export.speculators import check_against_target, rope_parameters, speculators_header
 from specdistill.export.target import ExportError
-
-MASK_FILE = "mask_embedding.pt"
+from specdistill.methods.dflash.model import MASK_FILE
 
 
 def dflash_state(drafter: Any) -> tuple[dict[str, torch.Tensor], list[int]]:

@@ -24,6 +24,7 @@ Saved as `dflash.safetensors` + `dflash_config.json` (core/models/heads_io.py).
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from specdistill.core.models.heads_io import read_heads, write_heads
 
 CONFIG_FILE = "dflash_config.json"
 WEIGHTS_FILE = "dflash.safetensors"
+MASK_FILE = "mask_embedding.pt"  # the speculators format's learned mask embedding (the engine swaps it in)
 MASK = -1  # a block slot that holds the mask embedding (ids are >= 0 otherwise)
 INIT_LAYERS = ("last", "first", "random")  # which of the target's layers the drafter's start from
 
@@ -286,9 +288,15 @@ def save_dflash(drafter: DFlashDrafter, out_dir: str | Path, extra: dict[str, An
 
 def load_dflash(path: str | Path, target: Any, dtype: torch.dtype = torch.float32,
                 target_fingerprint: str | None = None) -> DFlashDrafter:
-    """A drafter saved by `save_dflash`, wired to `target`'s embeddings; refused for another target."""
-    cfg, state = read_heads(path, DFlashConfig, CONFIG_FILE, WEIGHTS_FILE, DFlashError, "DFlash drafter",
-                            "train@dflash", target_fingerprint)
+    """A drafter saved by `save_dflash`, or a speculators-format DFlash / XPress folder (our export, or any speculators
+    trainer's), wired to `target`'s embeddings; refused for another target."""
+    from specdistill.export.speculators import is_speculators_folder
+
+    if is_speculators_folder(path):
+        cfg, state = read_dflash(path, target, target_fingerprint)
+    else:
+        cfg, state = read_heads(path, DFlashConfig, CONFIG_FILE, WEIGHTS_FILE, DFlashError, "DFlash drafter",
+                                "train@dflash", target_fingerprint)
     emb = target.get_input_embeddings().weight
     if cfg.vocab_size != emb.shape[0] or cfg.hidden_size != emb.shape[1]:
         raise DFlashError(f"the DFlash drafter at {path} is for a target of vocabulary {cfg.vocab_size} and width "
@@ -299,3 +307,55 @@ def load_dflash(path: str | Path, target: Any, dtype: torch.dtype = torch.float3
     if [m for m in missing if "rotary" not in m] or unexpected:
         raise DFlashError(f"DFlash weights at {path} do not fit its config: missing {missing}, unexpected {unexpected}")
     return drafter.to(device=emb.device, dtype=dtype).eval().requires_grad_(False)
+
+
+def read_dflash(path: str | Path, target: Any, target_fingerprint: str | None = None
+                ) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(DFlashConfig, our drafter's tensors) of a speculators-format DFlash or XPress folder, ours or any speculators
+    trainer's, for `target` (the HF model): the inverse of `dflash_state`. The mask embedding is `mask_embedding.pt`
+    where the folder has one, else the target's embedding of `mask_token_id` (what the engine uses then). Refused
+    with the reason: another model type, another verifier, a causal block or the DeepSeek slot layout
+    (`sample_from_anchor`), which our drafter does not compute."""
+    from safetensors.torch import load_file
+
+    from specdistill.core.models.hidden import fused_layers
+    from specdistill.export.speculators import check_verifier
+
+    path = Path(path)
+    c = json.loads((path / "config.json").read_text())
+    kind = c.get("speculators_model_type")
+    if kind not in ("dflash", "xpress"):
+        raise DFlashError(f"{path} is a speculators {kind!r} folder; our block drafter reads dflash and xpress "
+                          "checkpoints (point decode.dflash.path at one)")
+    if not c.get("sliding_window_non_causal", True) or c.get("sample_from_anchor", False):
+        raise DFlashError(f"{path} has sliding_window_non_causal={c.get('sliding_window_non_causal')}, "
+                          f"sample_from_anchor={c.get('sample_from_anchor')}: our drafter computes the non-causal "
+                          "block with the anchor in slot 0 (true, false); another layout would be another drafter here")
+    check_verifier(path, c, target, target_fingerprint, DFlashError)
+    layer, t = c["transformer_layer_config"], target.config
+    ids = sorted(c.get("aux_hidden_state_layer_ids") or fused_layers(t.num_hidden_layers))
+    stored = load_file(str(path / "model.safetensors"))
+    state = {k.replace("refiner_head.", "refiner.", 1): v for k, v in stored.items()
+             if k not in ("t2d", "embed_tokens.weight") and not k.startswith("verifier")}
+    draft_vocab = c.get("draft_vocab_size") or layer["vocab_size"]
+    if "d2t" in state:
+        state["d2t"] = state["d2t"].long() + torch.arange(len(state["d2t"]))
+    elif draft_vocab != layer["vocab_size"]:
+        raise DFlashError(f"{path}: a reduced draft vocabulary ({draft_vocab}) without its d2t map")
+    mask_id = int(c.get("mask_token_id", 0))
+    mask_file = path / MASK_FILE
+    state["mask_embedding"] = (torch.load(mask_file)["embedding"] if mask_file.exists()
+                               else target.get_input_embeddings().weight[mask_id].detach().float().cpu())
+    cfg = DFlashConfig(hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+                       num_attention_heads=layer["num_attention_heads"],
+                       num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+                       head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+                       rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+                       max_position_embeddings=layer.get("max_position_embeddings", t.max_position_embeddings),
+                       rope_parameters=layer.get("rope_parameters"), num_layers=layer["num_hidden_layers"],
+                       block_size=int(c["block_size"]), vocab_size=layer["vocab_size"],
+                       draft_vocab_size=None if "d2t" not in state else draft_vocab, feature_layers=ids,
+                       mask_token_id=mask_id, target_num_layers=t.num_hidden_layers,
+                       refiner_rank=int(c.get("xpress_rank", 0)) if kind == "xpress" else 0,
+                       refiner_mlp_ratio=int(c.get("xpress_mlp_ratio", 2)))
+    return cfg, state

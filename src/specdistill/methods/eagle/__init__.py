@@ -92,7 +92,9 @@ class EagleDecode:
     """decode.eagle (conf/decode/eagle.yaml): the head and its draft tree (methods/eagle/proposer.py EagleTreeConfig),
     checked here, before the target loads."""
 
-    path: str | None = None  # train@eagle writes models/eagle (eagle3); train@eagle1 models/eagle1
+    # train@eagle writes models/eagle (eagle3), train@eagle1 models/eagle1; or a speculators-format EAGLE-3 folder
+    # (our export, or any speculators trainer's checkpoint)
+    path: str | None = None
     tree: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -286,9 +286,15 @@ def load_eagle3_layout(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
 
 def load_eagle(path: str | Path, target: Any, dtype: torch.dtype = torch.float32,
                target_fingerprint: str | None = None) -> EagleHead:
-    """A head saved by `save_eagle`, wired to `target`'s embeddings; refused for another target."""
-    cfg, state = read_heads(path, EagleConfig, CONFIG_FILE, WEIGHTS_FILE, EagleError, "EAGLE head", "train@eagle",
-                            target_fingerprint)
+    """A head saved by `save_eagle`, or a speculators-format EAGLE-3 folder (our export, or any speculators
+    trainer's), wired to `target`'s embeddings; refused for another target."""
+    from specdistill.export.speculators import is_speculators_folder
+
+    if is_speculators_folder(path):
+        cfg, state = read_eagle3(path, target, target_fingerprint)
+    else:
+        cfg, state = read_heads(path, EagleConfig, CONFIG_FILE, WEIGHTS_FILE, EagleError, "EAGLE head", "train@eagle",
+                                target_fingerprint)
     if cfg.vocab_size != target.get_input_embeddings().weight.shape[0]:
         raise EagleError(f"the EAGLE head at {path} drafts for a {cfg.vocab_size}-token vocabulary, the target has "
                          f"{target.get_input_embeddings().weight.shape[0]}: it must share the target's tokenizer")
@@ -305,3 +311,57 @@ def load_eagle(path: str | Path, target: Any, dtype: torch.dtype = torch.float32
         raise EagleError(f"EAGLE weights at {path} do not fit its config: missing {missing}, unexpected {unexpected}")
     # the head's own weights load on the CPU; it runs beside the target's embeddings, wherever they are
     return head.to(device=target.get_input_embeddings().weight.device, dtype=dtype).eval().requires_grad_(False)
+
+
+# what a speculators EAGLE-3 config may set that our head computes as it does (else the head is another drafter)
+SUPPORTED = {"norm_before_residual": False, "norm_before_fc": False}
+
+
+def read_eagle3(path: str | Path, target: Any, target_fingerprint: str | None = None
+                ) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(EagleConfig, our head's tensors) of a speculators-format EAGLE-3 folder, written by our export or by any
+    speculators trainer, for `target`. The inverse of `eagle3_state`: `layers.0.*` -> `midlayer.*`, d2t offsets ->
+    target ids, the aux layers in their ascending order (fc's blocks as stored). Refused with the reason: another
+    model type, a verifier of another vocabulary, width or depth (or another exported target's fingerprint), or a flag
+    our head does not compute (a head trained with it would be another drafter here). `target` is the HF model."""
+    from safetensors.torch import load_file
+
+    from specdistill.core.models.hidden import fused_layers
+    from specdistill.export.speculators import check_verifier
+
+    path = Path(path)
+    c = json.loads((path / "config.json").read_text())
+    if c.get("speculators_model_type") != "eagle3":
+        raise EagleError(f"{path} is a speculators {c.get('speculators_model_type')!r} folder, not eagle3: point "
+                         "decode.eagle.path at an EAGLE-3 checkpoint")
+    if unsupported := {k: c[k] for k, v in SUPPORTED.items() if c.get(k, v) != v}:
+        raise EagleError(f"{path} was trained with {unsupported}, which our EAGLE-3 head does not compute: its drafts "
+                         "here would be another drafter's. Train with `--no-norm-before-residual --no-norm-before-fc` "
+                         "(speculators) to measure it here; the engine serves it as it is")
+    layer = c["transformer_layer_config"]
+    t = target.config
+    check_verifier(path, c, target, target_fingerprint, EagleError)
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise EagleError(f"{path} has {layer['num_hidden_layers']} decoder layers; our EAGLE-3 head has one")
+    ids = sorted(c.get("eagle_aux_hidden_state_layer_ids") or fused_layers(t.num_hidden_layers))
+    if max(ids) > t.num_hidden_layers:
+        raise EagleError(f"{path} reads target layers {ids}; this target has {t.num_hidden_layers}")
+    state = load_file(str(path / "model.safetensors"))
+    state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()
+             if k not in ("t2d", "embed_tokens.weight") and not k.startswith("verifier")}
+    draft_vocab = c.get("draft_vocab_size") or layer["vocab_size"]
+    if "d2t" in state:
+        state["d2t"] = state["d2t"].long() + torch.arange(len(state["d2t"]))
+    elif draft_vocab != layer["vocab_size"]:
+        raise EagleError(f"{path}: a reduced draft vocabulary ({draft_vocab}) without its d2t map")
+    cfg = EagleConfig(variant="eagle3", hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+                      num_attention_heads=layer["num_attention_heads"],
+                      num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+                      head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+                      rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
+                      max_position_embeddings=layer.get("max_position_embeddings", t.max_position_embeddings),
+                      rope_parameters=layer.get("rope_parameters"), vocab_size=layer["vocab_size"],
+                      draft_vocab_size=None if "d2t" not in state else draft_vocab, feature_layers=ids,
+                      target_num_layers=t.num_hidden_layers, fc_norm=bool(c.get("fc_norm")),
+                      norm_output=bool(c.get("norm_output")))
+    return cfg, state
