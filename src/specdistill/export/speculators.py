@@ -87,3 +87,36 @@ def check_verifier(path: Path, config: dict[str, Any], target: Any, target_finge
     if trained_on and target_fingerprint and target_fingerprint not in target_identities(named):
         raise error(f"{where} names an exported target of fingerprint {trained_on[:24]}..., and this target is "
                     f"{target_fingerprint[:24]}...: it reads that target's hidden states; evaluate it with that target")
+
+
+def read_state(path: Path, config: dict[str, Any], prefix: tuple[str, str], error: type[Exception]
+               ) -> tuple[dict[str, Any], int | None]:
+    """A speculators folder's tensors under our names (`prefix`: (theirs, ours), e.g. layers.0. -> midlayer.), with
+    d2t back to target ids and what the engine keeps apart dropped (t2d, embeddings, the verifier's); and the reduced
+    draft vocabulary's size (None: the full vocabulary)."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = {k.replace(prefix[0], prefix[1], 1): v for k, v in load_file(str(path / "model.safetensors")).items()
+             if k not in ("t2d", "embed_tokens.weight") and not k.startswith("verifier")}
+    vocab = config["transformer_layer_config"]["vocab_size"]
+    draft_vocab = config.get("draft_vocab_size") or vocab
+    if "d2t" in state:
+        state["d2t"] = state["d2t"].long() + torch.arange(len(state["d2t"]))  # offsets -> target ids
+        return state, draft_vocab
+    if draft_vocab != vocab:
+        raise error(f"{path}: a reduced draft vocabulary ({draft_vocab}) without its d2t map")
+    return state, None
+
+
+def layer_fields(config: dict[str, Any], target: Any, eps: float) -> dict[str, Any]:
+    """The decoder layer's sizes a speculators config states (`transformer_layer_config`), under our configs' names,
+    with the defaults its model type takes where a field is left out (`eps`: its RMSNorm epsilon)."""
+    layer = config["transformer_layer_config"]
+    heads = layer["num_attention_heads"]
+    return {"hidden_size": layer["hidden_size"], "intermediate_size": layer["intermediate_size"],
+            "num_attention_heads": heads, "num_key_value_heads": layer.get("num_key_value_heads") or heads,
+            "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
+            "rms_norm_eps": layer.get("rms_norm_eps", eps),
+            "max_position_embeddings": layer.get("max_position_embeddings", target.config.max_position_embeddings),
+            "rope_parameters": layer.get("rope_parameters"), "vocab_size": layer["vocab_size"]}

@@ -316,10 +316,9 @@ def read_dflash(path: str | Path, target: Any, target_fingerprint: str | None = 
     where the folder has one, else the target's embedding of `mask_token_id` (what the engine uses then). Refused
     with the reason: another model type, another verifier, a causal block or the DeepSeek slot layout
     (`sample_from_anchor`), which our drafter does not compute."""
-    from safetensors.torch import load_file
 
     from specdistill.core.models.hidden import fused_layers
-    from specdistill.export.speculators import check_verifier
+    from specdistill.export.speculators import check_verifier, layer_fields, read_state
 
     path = Path(path)
     c = json.loads((path / "config.json").read_text())
@@ -334,27 +333,13 @@ def read_dflash(path: str | Path, target: Any, target_fingerprint: str | None = 
     check_verifier(path, c, target, target_fingerprint, DFlashError)
     layer, t = c["transformer_layer_config"], target.config
     ids = sorted(c.get("aux_hidden_state_layer_ids") or fused_layers(t.num_hidden_layers))
-    stored = load_file(str(path / "model.safetensors"))
-    state = {k.replace("refiner_head.", "refiner.", 1): v for k, v in stored.items()
-             if k not in ("t2d", "embed_tokens.weight") and not k.startswith("verifier")}
-    draft_vocab = c.get("draft_vocab_size") or layer["vocab_size"]
-    if "d2t" in state:
-        state["d2t"] = state["d2t"].long() + torch.arange(len(state["d2t"]))
-    elif draft_vocab != layer["vocab_size"]:
-        raise DFlashError(f"{path}: a reduced draft vocabulary ({draft_vocab}) without its d2t map")
+    state, draft_vocab = read_state(path, c, ("refiner_head.", "refiner."), DFlashError)
     mask_id = int(c.get("mask_token_id", 0))
     mask_file = path / MASK_FILE
     state["mask_embedding"] = (torch.load(mask_file)["embedding"] if mask_file.exists()
                                else target.get_input_embeddings().weight[mask_id].detach().float().cpu())
-    cfg = DFlashConfig(hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-                       num_attention_heads=layer["num_attention_heads"],
-                       num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
-                       head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-                       rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
-                       max_position_embeddings=layer.get("max_position_embeddings", t.max_position_embeddings),
-                       rope_parameters=layer.get("rope_parameters"), num_layers=layer["num_hidden_layers"],
-                       block_size=int(c["block_size"]), vocab_size=layer["vocab_size"],
-                       draft_vocab_size=None if "d2t" not in state else draft_vocab, feature_layers=ids,
+    cfg = DFlashConfig(**layer_fields(c, target, 1e-6), num_layers=layer["num_hidden_layers"],  # Qwen3's epsilon
+                       block_size=int(c["block_size"]), draft_vocab_size=draft_vocab, feature_layers=ids,
                        mask_token_id=mask_id, target_num_layers=t.num_hidden_layers,
                        refiner_rank=int(c.get("xpress_rank", 0)) if kind == "xpress" else 0,
                        refiner_mlp_ratio=int(c.get("xpress_mlp_ratio", 2)))

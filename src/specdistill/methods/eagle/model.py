@@ -324,10 +324,9 @@ def read_eagle3(path: str | Path, target: Any, target_fingerprint: str | None = 
     target ids, the aux layers in their ascending order (fc's blocks as stored). Refused with the reason: another
     model type, a verifier of another vocabulary, width or depth (or another exported target's fingerprint), or a flag
     our head does not compute (a head trained with it would be another drafter here). `target` is the HF model."""
-    from safetensors.torch import load_file
 
     from specdistill.core.models.hidden import fused_layers
-    from specdistill.export.speculators import check_verifier
+    from specdistill.export.speculators import check_verifier, layer_fields, read_state
 
     path = Path(path)
     c = json.loads((path / "config.json").read_text())
@@ -346,22 +345,9 @@ def read_eagle3(path: str | Path, target: Any, target_fingerprint: str | None = 
     ids = sorted(c.get("eagle_aux_hidden_state_layer_ids") or fused_layers(t.num_hidden_layers))
     if max(ids) > t.num_hidden_layers:
         raise EagleError(f"{path} reads target layers {ids}; this target has {t.num_hidden_layers}")
-    state = load_file(str(path / "model.safetensors"))
-    state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()
-             if k not in ("t2d", "embed_tokens.weight") and not k.startswith("verifier")}
-    draft_vocab = c.get("draft_vocab_size") or layer["vocab_size"]
-    if "d2t" in state:
-        state["d2t"] = state["d2t"].long() + torch.arange(len(state["d2t"]))
-    elif draft_vocab != layer["vocab_size"]:
-        raise EagleError(f"{path}: a reduced draft vocabulary ({draft_vocab}) without its d2t map")
-    cfg = EagleConfig(variant="eagle3", hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-                      num_attention_heads=layer["num_attention_heads"],
-                      num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
-                      head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-                      rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
-                      max_position_embeddings=layer.get("max_position_embeddings", t.max_position_embeddings),
-                      rope_parameters=layer.get("rope_parameters"), vocab_size=layer["vocab_size"],
-                      draft_vocab_size=None if "d2t" not in state else draft_vocab, feature_layers=ids,
+    state, draft_vocab = read_state(path, c, ("layers.0.", "midlayer."), EagleError)
+    cfg = EagleConfig(variant="eagle3", **layer_fields(c, target, 1e-5), draft_vocab_size=draft_vocab,  # Llama's eps
+                      feature_layers=ids,
                       target_num_layers=t.num_hidden_layers, fc_norm=bool(c.get("fc_norm")),
                       norm_output=bool(c.get("norm_output")))
     return cfg, state
