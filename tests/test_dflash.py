@@ -273,7 +273,7 @@ def test_dflash_exports_in_the_speculators_layout(tmp_path, target, tiny_tokeniz
     assert state["d2t"].tolist() == [4 - 0, 7 - 1, 9 - 2]  # sorted target ids [4, 7, 9], as offsets
     torch.testing.assert_close(state["lm_head.weight"], drafter.lm_head.weight.detach()[[1, 2, 0]])
     assert "layers.1.self_attn.k_norm.weight" in state and not any("embed" in k or "rotary" in k for k in state)
-    mask = torch.load(out / MASK_FILE)
+    mask = torch.load(out / MASK_FILE, weights_only=True)
     assert mask["mask_token_id"] == 1 and torch.equal(mask["embedding"], drafter.mask_embedding.detach())
     drafter.cfg.target_fingerprint = "another"
     with pytest.raises(ExportError, match="serve it with its own target"):
@@ -384,13 +384,13 @@ head = XPressRefinerHead(verifier_vocab_size=cfg.transformer_layer_config.vocab_
 state = {k.removeprefix("refiner_head."): v for k, v in load_file(folder + "/model.safetensors").items()
          if k.startswith("refiner_head.")}
 head.load_state_dict(state, strict=True)
-x = torch.load(inputs)
+x = torch.load(inputs, weights_only=True)
 with torch.no_grad():
     torch.save({"type": type(cfg).__name__, "bias": head.block_bias(x["prev"], hidden_states=x["states"])}, out)
 """
     subprocess.run([str(engine_python()), "-c", code, str(out), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
                    check=True, capture_output=True, text=True, timeout=300)
-    theirs = torch.load(tmp_path / "out.pt")
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     assert theirs["type"] == "XPressSpeculatorConfig"
     with torch.no_grad():
         ours = drafter.refiner(prev, states)[..., torch.argsort(d2t)]  # the export's order: ascending target ids

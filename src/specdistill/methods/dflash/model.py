@@ -336,7 +336,7 @@ def read_dflash(path: str | Path, target: Any, target_fingerprint: str | None = 
     state, draft_vocab = read_state(path, c, ("refiner_head.", "refiner."), DFlashError)
     mask_id = int(c.get("mask_token_id", 0))
     mask_file = path / MASK_FILE
-    state["mask_embedding"] = (torch.load(mask_file)["embedding"] if mask_file.exists()
+    state["mask_embedding"] = (torch.load(mask_file, weights_only=True)["embedding"] if mask_file.exists()
                                else target.get_input_embeddings().weight[mask_id].detach().float().cpu())
     cfg = DFlashConfig(**layer_fields(c, target, 1e-6), num_layers=layer["num_hidden_layers"],  # Qwen3's epsilon
                        block_size=int(c["block_size"]), draft_vocab_size=draft_vocab, feature_layers=ids,
