@@ -25,7 +25,9 @@ def rerun_by(changed: str) -> set[str]:
     return {s for s, ps in stage_params().items() if not s.startswith("_cmd:") and any(hit(p) for p in ps)}
 
 
-EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluate@eagle_lookup", "evaluate@eagle_auto"}
+EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluate@eagle_lookup", "evaluate@eagle_auto",
+               "evaluate@ref_eagle_matched"}  # speculators' EAGLE-3 head, drafted as ours
+EAGLE_REFERENCES = {"reference@eagle_matched", "reference@eagle_shipped"}  # speculators' trainer on eagle's settings
 
 
 @pytest.mark.parametrize("changed,only", [  # a trained method's evaluate items follow it through its model folder
@@ -33,7 +35,7 @@ EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluat
     # the draft's size: not EAGLE's, Medusa's nor the variants'
     ("methods.draft.draft.num_layers", {"train@draft"}),
     ("methods.draft.loss.name", {"train@draft"}),
-    ("methods.eagle.optimizer.lr", {"train@eagle"}),
+    ("methods.eagle.optimizer.lr", {"train@eagle"} | EAGLE_REFERENCES),
     ("methods.eagle31.fc_norm", {"train@eagle31"}),
     # how a method drafts (conf/decode/) reruns the evaluate items that draft with it, and no training
     ("decode.suffix.max_spec_tokens", {"evaluate@suffix"}),  # a method that trains nothing
@@ -41,7 +43,7 @@ EAGLE_EVALS = {"evaluate@eagle", "evaluate@eagle31", "evaluate@eagle1", "evaluat
     # online drafts over the same section; compare runs EAGLE-3 and EAGLE-3.1 beside DFlash
     ("decode.eagle.tree.total_tokens", EAGLE_EVALS | {"online@eagle", "compare"}),
     ("decode.dflash.k", {"evaluate@dflash", "evaluate@dspark", "evaluate@dspark_auto", "evaluate@xpress",
-                         "compare"}),  # and a rival
+                         "evaluate@ref_dflash_matched", "compare"}),  # and a rival
     ("methods.dspark.markov_rank", {"train@dspark"}),
     ("methods.xpress.refiner_rank", {"train@xpress"}),
     ("evals.dspark.decode.path", {"evaluate@dspark", "compare"}),
@@ -70,8 +72,8 @@ def test_no_stage_command_carries_config():
     for stage, (cmd,) in ((s[5:], c) for s, c in stage_params().items() if s.startswith("_cmd:")):
         words = cmd.split("--config-name params")[-1].split()
         assert len(words) <= 1, (stage, words)
-        assert all(w.split("=", 1)[0] in ("method", "eval.name", "online.method", "export.method", "serve.method")
-                   for w in words), (stage, words)
+        assert all(w.split("=", 1)[0] in ("method", "eval.name", "online.method", "export.method", "serve.method",
+                                          "reference.method") for w in words), (stage, words)
 
 
 def test_every_item_names_a_config_section():

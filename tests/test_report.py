@@ -354,3 +354,29 @@ def test_each_method_describes_itself_and_eagle31_is_a_family_of_its_own():
     assert describe_training({"method": head})[0] == "EAGLE head (eagle3.1, 1 layer, TTT 3)"
     assert describe_training({"method": {"name": "medusa", "num_heads": 4, "num_layers": 1}}) == (
         "Medusa, 4 heads x 1 block", "target's LM head")
+
+
+def test_the_reference_section_pools_the_engines_counts_and_sets_each_trainer_beside_ours():
+    from specdistill.reporting.reference import engine_pooled, reference_tables
+
+    def served(first: list[int], drafts: int) -> dict:
+        rows = {ds: {"T0.0": {"c1": {"k2": {"drafts": drafts, "accepted_per_pos": first, "tau": 0.0}}}}
+                for ds in ("humaneval", "mtbench")}
+        return {"settings": {"agreement_k": 2, "concurrency": [1, 4]}, "results": rows}
+
+    ours, ref = served([40, 10], 100), served([60, 30], 100)
+    pooled = engine_pooled(ref, "T0.0")  # summed over both datasets, then divided
+    assert pooled["drafts"] == 200 and pooled["accepted_per_pos"] == [120, 60]
+    assert pooled["alpha_pos1"] == 0.6 and pooled["alpha_pos2"] == 0.5 and pooled["tau"] == 1 + 180 / 200
+    record = {"recipe": "matched", "run": {"steps": 4, "tokens": 900, "train_s": 2.0, "tokens_per_s": 450.0,
+                                           "peak_rss_mib": 900.0},
+              "settings": {"methods_key": "eagle", "speculators": "0.9.0", "engine_torch": "2.x"}}
+    runs = {"eagle": {"run": {"steps": 4, "tokens": 1000, "train_s": 4.0, "tokens_per_s": 250.0,
+                              "peak_rss_mib": 1500.0}}}
+    lines = reference_tables({"eagle_matched": record}, runs, {}, {"eagle": ours, "ref_eagle_matched": ref})
+    text = "\n".join(lines)
+    assert "| eagle | ours | 4 | 1000 | 4.0 | 250 | 1500 |" in text
+    assert "| eagle | speculators, matched | 4 | 900 | 2.0 | 450 | 900 |" in text
+    row = next(line for line in lines if line.startswith("| eagle | speculators, matched | 0.60"))
+    assert "| 1.90 |" in row and "| 4.00 |" in row  # its tau; z = (0.6 - 0.4) / sqrt(0.5 * 0.5 * 2 / 200)
+    assert reference_tables({}, runs, {}, {}) == []

@@ -27,10 +27,11 @@ from .helpers.checkout import minutes_table, repro_checkout, repro_env, timed_re
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.smoke]
 
 # one item of each foreach stage, chosen so that what they need is few items more: EAGLE-3's chain (features, train,
-# evaluate, online, export beside the target, serve) and compare, which needs its four rivals trained
-ONE_PER_STAGE = ("evaluate@eagle", "compare", "online@eagle", "serve@eagle")
+# evaluate, online, export beside the target, serve), compare, which needs its four rivals trained, and speculators'
+# EAGLE-3 trained on the same data and served by the engine (reference, then serve)
+ONE_PER_STAGE = ("evaluate@eagle", "compare", "online@eagle", "serve@eagle", "serve@ref_eagle_matched")
 SECTIONS = ("## In the engine", "### EAGLE heads", "## Online speculative distillation",
-            "### The engine's acceptance beside our decoder's")
+            "### The engine's acceptance beside our decoder's", "## Against the reference trainer")
 
 
 @pytest.fixture

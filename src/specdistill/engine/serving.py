@@ -41,8 +41,8 @@ class ServeConfig:
     ngram_max: int
     ngram_min: int
     export_dir: str
-    # serve@<method>: `engine`, the export the engine loads beside the target; `ours`, what our decoder reads to draft
-    # the same chain (the agreement table). dvc.yaml makes one item per key.
+    # serve@<key>: `method`, the registered method it serves; `engine`, the export the engine loads beside the target;
+    # `ours`, what our decoder reads to draft the same chain (the agreement table). dvc.yaml makes one item per key.
     items: dict[str, dict[str, str]]
     timeout_s: int
     seed: int
@@ -60,11 +60,12 @@ class ServeConfig:
             if not ok:
                 raise ConfigError(f"serve.{key}={value!r}: {rule}")
 
-        methods.get(self.method, "serve", "serve.method")
-        need(self.method in self.items, "method", self.method, f"give serve.items.{self.method} (engine, ours) or "
-             f"use one of {sorted(self.items)}")
+        need(self.method in self.items, "method", self.method, f"give serve.items.{self.method} (method, engine, "
+             f"ours) or use one of {sorted(self.items)}")
         for key, item in self.items.items():
-            need(set(item) == {"engine", "ours"}, f"items.{key}", item, "a map with keys engine and ours")
+            need(set(item) == {"method", "engine", "ours"}, f"items.{key}", item,
+                 "a map with keys method (the registered method), engine and ours")
+        methods.get(self.registered, "serve", f"serve.items.{self.method}.method")
         check_eval_sets(self.datasets, "serve.datasets")
         for key in ("temperatures", "concurrency", "k"):  # types and ranges: `section`; here what it cannot say
             need(bool(getattr(self, key)), key, getattr(self, key), "a non-empty list")
@@ -73,9 +74,15 @@ class ServeConfig:
         need(self.dtype in (None, "float32", "bfloat16"), "dtype", self.dtype, "float32, bfloat16 or null")
 
     @property
+    def registered(self) -> str:
+        """The registered method this item serves (its key may name a variant: a reference trainer's draft)."""
+        return self.items[self.method]["method"]
+
+    @property
     def models(self) -> dict[str, str]:
-        """method -> the folder our decoder reads (what a method's `agreement_proposer` finds by `trained_folder`)."""
-        return {key: item["ours"] for key, item in self.items.items()}
+        """method -> the folder our decoder reads (what a method's `agreement_proposer` finds by `trained_folder`):
+        this item's."""
+        return {self.registered: self.items[self.method]["ours"]}
 
 
 def prompt_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
@@ -86,7 +93,8 @@ def prompt_requests(prompts: list[list[int]], concurrency: int) -> list[list[int
 
 def speculative_config(cfg: ServeConfig, k: int, draft_dir: str | None) -> dict[str, Any]:
     """vLLM's `speculative_config` for the method at K drafted tokens (the method's `engine` part)."""
-    return methods.get(cfg.method, "serve", "serve.method").speculative_config(cfg, k, draft_dir)
+    method = methods.get(cfg.registered, "serve", f"serve.items.{cfg.method}.method")
+    return method.speculative_config(cfg, k, draft_dir)
 
 
 def job(cfg: ServeConfig, target_dir: str, prompts: dict[str, list[list[int]]], stops: list[int], dtype: str,

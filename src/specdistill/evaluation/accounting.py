@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -112,3 +113,14 @@ def expected_accepted_length(alpha: float, k: int) -> dict[str, float]:
     and its limit 1/(1 - alpha), to set beside measured tau."""
     truncated = 1.0 + sum(alpha**i for i in range(1, k + 1))
     return {"truncated_sum": truncated, "geometric_limit": (1.0 / (1.0 - alpha)) if alpha < 1 else float("inf")}
+
+
+def two_proportion_z(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """z of the difference in first-position acceptance (|z| < 2: within the noise of the prompt count)."""
+    if not a.get("drafts") or not b.get("drafts"):
+        return None
+    n1, n2 = a["drafts"], b["drafts"]
+    x1, x2 = a["accepted_per_pos"][0], b["accepted_per_pos"][0]
+    p = (x1 + x2) / (n1 + n2)
+    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
+    return round((x1 / n1 - x2 / n2) / se, 3) if se > 0 else 0.0

@@ -16,7 +16,8 @@ declare (each optional; a stage refuses a method without its part, listing those
   tree from nothing trained, reported beside other methods or merged into their trees);
 - online: `online`, the student that keeps learning while it serves, and its serving copy;
 - export and serve: `export` (an engine-ready folder) and `speculative_config` (what vLLM is given), with
-  `agreement_proposer` (our decoder's proposer on the same chain, for the agreement table).
+  `agreement_proposer` (our decoder's proposer on the same chain, for the agreement table);
+- reference: `reference`, its part of a `speculators train` command, for a method speculators trains as well.
 
 The built-in methods (`BUILT_IN`) are registered when a stage first asks for one, by importing its folder
 (`methods/<m>/`: registration, model, Lightning module, proposer, export, report tables): draft (a separate small
@@ -40,7 +41,7 @@ from typing import Any
 from specdistill.core.errors import ConfigError
 
 CAPABILITIES = {"train": "build", "evaluate": "draft", "online": "online", "export": "export",
-                "serve": "speculative_config"}
+                "serve": "speculative_config", "reference": "reference"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,27 @@ class TrainContext:
     stops: set[int]         # the target's stop tokens (a reduced draft vocabulary always holds them)
     pad_id: int
     module_args: dict[str, Any]  # what every method's Lightning module takes: loss, optimizer, scheduler, teacher
+
+
+@dataclass(frozen=True)
+class ReferenceContext:
+    """What the reference stage hands a method's `reference` (speculators' own trainer on our data)."""
+
+    recipe: str      # matched: our head's architecture and loss | shipped: speculators' defaults
+    num_layers: int  # the target's decoder layers
+    sequences: int   # sequences per optimizer step in our training (distill.data.batch_size)
+    tokenizer: Any   # the target's
+    stops: set[int]  # the target's stop tokens
+    loss: str        # our loss in speculators' name (`--loss-fn`) for a matched run
+
+
+@dataclass(frozen=True)
+class ReferenceArgs:
+    """A method's part of a `speculators train` command: the layers its draft fuses (the converted data holds these
+    and the final norm's input) and its arguments (the speculator type, its architecture, its loss)."""
+
+    aux: list[int]
+    args: list[str]
 
 
 @dataclass
@@ -133,6 +155,9 @@ class Method:
     describe_training: Callable[[dict[str, Any]], tuple[str, str]] | None = None
     # its own tables in the report's distillation section: (the train records by run, the evaluate records) -> lines
     training_tables: Callable[[dict[str, Any], dict[str, Any]], list[str]] | None = None
+    # reference (stages/reference.py): (its `methods.<m>` config, ReferenceContext) -> ReferenceArgs, for a method
+    # vLLM's speculators package trains too, so its own trainer runs beside ours on the same data
+    reference: Callable[[Any, ReferenceContext], ReferenceArgs] | None = None
 
 
 REGISTRY: dict[str, Method] = {}

@@ -14,6 +14,7 @@ from specdistill.core.tracking import wandb_run
 from specdistill.evaluation.contention import busy_lines
 from specdistill.reporting import figures, settings
 from specdistill.reporting.online import load_online, online_curves, online_tables
+from specdistill.reporting.reference import load_reference, reference_tables
 from specdistill.reporting.series import write_series
 from specdistill.reporting.serving import load_serving, serving_figure, serving_tables
 from specdistill.reporting.summary import engine_summary, summary_table
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 def load_metrics(folder: Path) -> dict[str, dict[str, Any]]:
     """The evaluate stages' metrics: the files with `results` (train_*.json and online_*.json are read by
     reporting.training / .online; generate.json holds the generate stage's timing)."""
-    files = [f for f in sorted(folder.glob("*.json")) if not f.stem.startswith(("train_", "online_", "serve_"))]
+    files = [f for f in sorted(folder.glob("*.json"))
+             if not f.stem.startswith(("train_", "online_", "serve_", "reference_"))]
     found = {f.stem: m for f in files if "results" in (m := read_record(f))}
     if not found:
         raise FileNotFoundError(f"no metrics in {folder}: run the evaluate stages first (`dvc repro`)")
@@ -95,7 +97,8 @@ def prompt_counts(prompts: Any) -> str:
 
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
            online: list[str] | None = None, serving: list[str] | None = None,
-           serve: dict[str, dict[str, Any]] | None = None, head_to_head_png: bool = False) -> str:
+           serve: dict[str, dict[str, Any]] | None = None, head_to_head_png: bool = False,
+           reference: list[str] | None = None) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     # metrics without a split were written before the stratified order: each set's first rows
@@ -142,6 +145,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
     lines += training or []
     lines += online or []
     lines += serving or []
+    lines += reference or []
     lines += ["## Eq. 2 (docs/definitions.md) against measurement", "",
               "Expected tokens per target forward from measured acceptance: with the measured alpha_k chained, with",
               "alpha_pos1 alone (the truncated geometric sum), and its K → ∞ limit 1/(1-alpha), beside measured tau.",
@@ -169,6 +173,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     curves = load_curves(plots_dir, list(runs))
     online = load_online(metrics_dir, plots_dir)
     serve = load_serving(metrics_dir)
+    reference = reference_tables(load_reference(metrics_dir), runs, all_metrics, serve)
     experiment = cfg.get("experiment_name", "default")
     with wandb_run(cfg.get("logger"), job_type="report", name=f"report@{experiment}", group=experiment,
                    config=cfg) as run_:
@@ -176,7 +181,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             drawn = figures.head_to_head(all_metrics, tmp / "head_to_head.png")  # where it has something to draw
             (tmp / "README.md").write_text(render(all_metrics, experiment,
                                                   render_training(runs, sweep, curves, all_metrics),
-                                                  online_tables(online), serving_tables(serve), serve, drawn))
+                                                  online_tables(online), serving_tables(serve), serve, drawn,
+                                                  reference))
             if serve:
                 serving_figure(serve, tmp / "serve_speedup.png")
             if online:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from specdistill.engine.serving import (
     speculative_config,
     summarise,
 )
+from specdistill.evaluation.accounting import two_proportion_z
 from specdistill.evaluation.contention import Contention, busy_warning, cpu_list, own_and_children_cpu_seconds
 from specdistill.evaluation.prompts import chat_encoder, load_conversations
 from specdistill.export.target import ExportError, exported_fingerprint
@@ -57,12 +57,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     check_outputs(cfg, replaced={"serve.method": plots},
                   files={"serve.method": metrics_files(metrics_file)})
     target_dir, draft_dir = Path(serve_cfg.export_dir) / "target", Path(serve_cfg.items[serve_cfg.method]["engine"])
-    method = methods.get(serve_cfg.method, "serve", "serve.method")
+    method = methods.get(serve_cfg.registered, "serve", f"serve.items.{serve_cfg.method}.method")
     drafted = method.export is not None  # prompt lookup: nothing exported
-    for need, stage in ((target_dir, "export_target"), *(((draft_dir,
-                                                           f"export@{serve_cfg.method}"),) if drafted else ())):
+    # the draft's folder: export@<key>'s, or a checkpoint another stage wrote as it is (reference@<key>'s)
+    writer = f"`dvc repro export@{serve_cfg.method}`" if serve_cfg.method == serve_cfg.registered else \
+        "the stage that writes it (`dvc stage list` shows which)"
+    for need, stage in ((target_dir, "`dvc repro export_target`"), *(((draft_dir, writer),) if drafted else ())):
         if not (need / "config.json").exists():
-            raise ExportError(f"serve@{serve_cfg.method} needs {need}: run `dvc repro {stage}` first")
+            raise ExportError(f"serve@{serve_cfg.method} needs {need}: run {stage} first")
     serve_cfg, skipped = servable_k(serve_cfg, method, draft_dir)
     engine_python()  # no engine environment: a clear error now, not after the prompts load
     context = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
@@ -168,7 +170,7 @@ def ours_beside_engine(serve_cfg: ServeConfig, target_cfg: TargetConfig, prompts
     target = load_target(target_cfg)
     stops = target.stop_ids
     # our decoder on the same chain as the engine's
-    proposer = methods.get(serve_cfg.method, "serve", "serve.method").agreement_proposer(serve_cfg, target, k)
+    proposer = methods.get(serve_cfg.registered, "serve").agreement_proposer(serve_cfg, target, k)
     verifier = TargetVerifier(target.model, feature_layers=getattr(proposer, "feature_layers", ()))
     out: dict[str, Any] = {}
     c1 = min(serve_cfg.concurrency)
@@ -186,17 +188,6 @@ def ours_beside_engine(serve_cfg: ServeConfig, target_cfg: TargetConfig, prompts
                            "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos})
         out[ds] = {"k": k, "engine": engine, "ours": ours, "z_pos1": two_proportion_z(engine, ours)}
     return out
-
-
-def two_proportion_z(a: dict[str, Any], b: dict[str, Any]) -> float | None:
-    """z of the difference in first-position acceptance (|z| < 2: within the noise of the prompt count)."""
-    if not a.get("drafts") or not b.get("drafts"):
-        return None
-    n1, n2 = a["drafts"], b["drafts"]
-    x1, x2 = a["accepted_per_pos"][0], b["accepted_per_pos"][0]
-    p = (x1 + x2) / (n1 + n2)
-    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
-    return round((x1 / n1 - x2 / n2) / se, 3) if se > 0 else 0.0
 
 
 def write_plots(folder: Path, summary: dict[str, Any], agreement: dict[str, Any]) -> None:

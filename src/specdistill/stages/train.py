@@ -37,6 +37,7 @@ from specdistill.training.base import build_optimizer
 from specdistill.training.checkpoints import CheckpointDir, readable_checkpoint, resume_point  # noqa: F401
 from specdistill.training.losses import LossError, build_loss
 from specdistill.training.outputs import lineage, write_curve
+from specdistill.training.throughput import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,11 @@ def run(cfg: dict[str, Any], job: Job | None = None) -> dict[str, Any]:
                          "loss": asdict(c.loss_cfg), "distill": cfg["distill"], "trainer": c.trainer,
                          "target": target.fingerprint, "data": data_stamp, "seed": cfg.get("seed")})
     trainer, logger, ckpt_path = lightning_trainer(c, cfg, stamp)
+    throughput = next(cb for cb in trainer.callbacks if isinstance(cb, Throughput))
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     final = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
     result = record(c, cfg, final, trainer.global_step, target, datamodule, built)
+    result["run"] = throughput.record()  # this process's steps: a resumed run's own
     if trainer.is_global_zero:
         built.save(c.plan.model_dir, result["settings"])
         write_record(c.plan.metrics_file, result, headline_of_training(result))
@@ -290,7 +293,7 @@ def lightning_trainer(c: Checked, cfg: dict[str, Any], stamp: str) -> tuple[Any,
     bar = [TQDMProgressBar()] if c.trainer.get("enable_progress_bar", True) else []
     try:
         trainer = pl.Trainer(**c.trainer, logger=logger, use_distributed_sampler=False,
-                             callbacks=[CheckpointDir(c.plan.ckpt_dir, stamp, run_id), checkpoint, *bar],
+                             callbacks=[CheckpointDir(c.plan.ckpt_dir, stamp, run_id), checkpoint, Throughput(), *bar],
                              default_root_dir=str(c.plan.ckpt_dir))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"trainer: {e}") from e

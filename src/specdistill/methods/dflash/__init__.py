@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from specdistill.core.errors import ConfigError
-from specdistill.methods import Built, Drafting, Method, TrainContext, register, trained_folder
+from specdistill.methods import (
+    Built,
+    Drafting,
+    Method,
+    ReferenceArgs,
+    ReferenceContext,
+    TrainContext,
+    register,
+    trained_folder,
+)
 from specdistill.training.config import MethodConfigBase
 
 
@@ -211,8 +220,14 @@ def describe_training(s: dict[str, Any]) -> tuple[str, str]:
             f"{m['block_size']}{head})", "target's last layers, LM head rows")
 
 
+def reference(mcfg: Any, ctx: ReferenceContext) -> ReferenceArgs:
+    from specdistill.methods.dflash.reference import reference as args
+
+    return args(mcfg, ctx, mask_token(mcfg, ctx.tokenizer, ctx.stops))
+
+
 register(Method("dflash", __doc__, config=DFlashMethodConfig, build=build, label=label, reads_hidden=True,
                 precomputed=True, check=check, decode=DFlashDecode, draft=drafting,
                 deterministic_branch=deterministic_branch, export=write_export, speculative_config=speculative_config,
                 max_k=max_k, agreement_proposer=agreement_proposer,
-                describe=describe, describe_training=describe_training))
+                describe=describe, describe_training=describe_training, reference=reference))

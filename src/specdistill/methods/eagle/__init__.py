@@ -11,7 +11,17 @@ from typing import Any, ClassVar
 
 from specdistill.core.errors import ConfigError
 from specdistill.core.models.hidden import fused_layers
-from specdistill.methods import Built, Drafting, Method, OnlineStudent, TrainContext, register, trained_folder
+from specdistill.methods import (
+    Built,
+    Drafting,
+    Method,
+    OnlineStudent,
+    ReferenceArgs,
+    ReferenceContext,
+    TrainContext,
+    register,
+    trained_folder,
+)
 from specdistill.training.config import MethodConfigBase
 
 
@@ -216,9 +226,15 @@ def report_tables(runs: dict[str, Any], evaluated: dict[str, Any]) -> list[str]:
     return training_tables(runs, evaluated)
 
 
+def reference(mcfg: Any, ctx: ReferenceContext) -> ReferenceArgs:
+    from specdistill.methods.eagle.reference import reference as args
+
+    return args(mcfg, ctx)
+
+
 register(Method("eagle", __doc__, config=EagleMethodConfig, build=build, label=label,
                 reads_hidden=True, precomputed=True, check=check,
                 decode=EagleDecode, draft=drafting, online=online, export=write_export,
                 deterministic_branch=deterministic_branch, speculative_config=speculative_config,
                 agreement_proposer=agreement_proposer, describe=describe, describe_training=describe_training,
-                training_tables=report_tables))
+                training_tables=report_tables, reference=reference))
