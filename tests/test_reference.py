@@ -22,7 +22,6 @@ from specdistill.reference.shims import SHIMS
 from specdistill.stages import features as features_stage
 from specdistill.stages.reference import LAUNCH
 
-from .helpers.data import write_split
 from .helpers.train import composed, overrides
 
 MAX_LENGTH = 14  # below the longest rows: the converted spans follow our truncation
@@ -30,15 +29,6 @@ LAYERS = [0, 1, 2]  # the tiny target has 2 layers: aux 0, 1, 2 and the final no
 
 needs_engine = pytest.mark.skipif(not engine_available(), reason="speculators lives in the engine environment "
                                                                   "(make engine)")
-
-
-@pytest.fixture(scope="module")
-def generated(tmp_path_factory, tiny_tokenizer):
-    d = tmp_path_factory.mktemp("generated")
-    write_split(d / "train", 12, 0, len(tiny_tokenizer))
-    write_split(d / "val", 4, 1, len(tiny_tokenizer))
-    (d / "FINGERPRINT").write_text("tiny\n")
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +135,7 @@ def test_speculators_trains_the_exact_steps_on_a_cpu_resumes_and_we_read_its_che
     from specdistill.methods.eagle.model import load_eagle
 
     data, made = converted
-    steps = 11  # more than one epoch of packed batches: the epochs come from speculators' own sampler
+    steps = 30  # more than one epoch of packed batches: the epochs come from speculators' own sampler
     done = launch(tmp_path, data, tiny_target_dir, steps)
     assert done.returncode == 0, done.stderr[-4000:]
     record = json.loads((tmp_path / "run.json").read_text())
@@ -181,3 +171,17 @@ def test_each_cpu_shim_is_still_needed(tmp_path, converted, tiny_target_dir, shi
 def needed(done: subprocess.CompletedProcess, shim: str) -> None:
     assert done.returncode != 0, f"speculators trained on a CPU without the `{shim}` shim: remove it from shims.py"
     assert SHIMS[shim][1] in done.stderr, done.stderr[-3000:]
+
+
+def test_a_serve_item_names_its_method_so_the_engine_serves_a_reference_checkpoint():
+    from specdistill.core.config import section
+    from specdistill.engine.serving import ServeConfig
+
+    from .helpers.config import composed as full
+
+    serve = dict(full("serve.method=ref_eagle_matched")["serve"])
+    cfg = section(ServeConfig, serve, "serve")
+    assert cfg.registered == "eagle" and cfg.models == {"eagle": "models/reference/eagle_matched"}
+    assert cfg.items["ref_eagle_shipped"]["agreement"] is False  # our head does not read speculators' own norms
+    with pytest.raises(ConfigError, match="keys method"):
+        section(ServeConfig, {**serve, "items": {**serve["items"], "x": {"engine": "a", "ours": "b"}}}, "serve")

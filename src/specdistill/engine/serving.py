@@ -42,7 +42,8 @@ class ServeConfig:
     ngram_min: int
     export_dir: str
     # serve@<key>: `method`, the registered method it serves; `engine`, the export the engine loads beside the target;
-    # `ours`, what our decoder reads to draft the same chain (the agreement table). dvc.yaml makes one item per key.
+    # `ours`, what our decoder reads to draft the same chain (the agreement table; `agreement: false` skips it).
+    # dvc.yaml makes one item per key.
     items: dict[str, dict[str, str]]
     timeout_s: int
     seed: int
@@ -63,8 +64,9 @@ class ServeConfig:
         need(self.method in self.items, "method", self.method, f"give serve.items.{self.method} (method, engine, "
              f"ours) or use one of {sorted(self.items)}")
         for key, item in self.items.items():
-            need(set(item) == {"method", "engine", "ours"}, f"items.{key}", item,
-                 "a map with keys method (the registered method), engine and ours")
+            need({"method", "engine", "ours"} <= set(item) <= {"method", "engine", "ours", "agreement"},
+                 f"items.{key}", item, "a map with keys method (the registered method), engine and ours (and "
+                 "agreement: false where our decoder does not read the draft)")
         methods.get(self.registered, "serve", f"serve.items.{self.method}.method")
         check_eval_sets(self.datasets, "serve.datasets")
         for key in ("temperatures", "concurrency", "k"):  # types and ranges: `section`; here what it cannot say

@@ -120,7 +120,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     summary["deploy"] = {"speculative_config": deploy,
                          "speedup_geomean": scheduled_speedups(serve_cfg, summary["results"]) if deploy else {}}
     at_t0 = 0.0 in map(float, serve_cfg.temperatures)
-    agreement = ours_beside_engine(serve_cfg, target_cfg, prompts, results) if at_t0 else {}
+    # an item may opt out where our decoder does not read its draft (a reference checkpoint of another layout)
+    agree = at_t0 and serve_cfg.items[serve_cfg.method].get("agreement", True)
+    agreement = ours_beside_engine(serve_cfg, target_cfg, prompts, results) if agree else {}
     first = next(iter(results.values()))
     metrics = {"settings": {**environment(), **asdict(serve_cfg), "k_skipped": skipped, "engine": "vllm",
                             "vllm": first["vllm"], "engine_torch": first["torch"],
