@@ -92,7 +92,8 @@ def test_conversion_refuses_missing_layers_and_leaves_nothing(tmp_path, rows, ti
 
 def test_reference_config_and_method_flags_are_checked(tiny_tokenizer):
     with pytest.raises(ConfigError, match="recipe"):
-        ReferenceConfig(dir="d", work_dir="w", verifier="v", items={"x": {"method": "eagle", "recipe": "mine"}})
+        ReferenceConfig(dir="d", work_dir="w", verifier="v",
+                        items={"x": {"method": "eagle", "name": "eagle", "recipe": "mine"}})
     with pytest.raises(ConfigError, match="stage sets it"):
         ReferenceConfig(dir="d", work_dir="w", verifier="v", items={}, extra_args=["--max-steps", "3"])
     with pytest.raises(ConfigError, match="no such loss"):

@@ -27,7 +27,8 @@ class ReferenceConfig:
     work_dir: str       # the converted data and speculators' epoch checkpoints: a killed run resumes from them
     verifier: str       # the exported target (export_target): what the checkpoint names and the engine serves
     # reference@<key> (dvc.yaml makes one per key): `method`, a key of `methods` (its settings, its steps, its data);
-    # `recipe`, matched | shipped
+    # `name`, the registered method it is (methods.<method>.name: the code folder the item watches); `recipe`,
+    # matched | shipped
     items: dict[str, dict[str, str]]
     method: str | None = None  # the item this run trains
     loss_implementation: str = "eager"  # fused imports Triton (no CPU kernel)
@@ -38,9 +39,9 @@ class ReferenceConfig:
 
     def __post_init__(self) -> None:
         for key, item in self.items.items():
-            if set(item) != {"method", "recipe"}:
-                raise ConfigError(f"reference.items.{key}={item!r}: a map with keys method (a key of methods) and "
-                                  f"recipe ({' | '.join(RECIPES)})")
+            if set(item) != {"method", "name", "recipe"}:
+                raise ConfigError(f"reference.items.{key}={item!r}: a map with keys method (a key of methods), name "
+                                  f"(its registered method) and recipe ({' | '.join(RECIPES)})")
             if item["recipe"] not in RECIPES:
                 raise ConfigError(f"reference.items.{key}.recipe={item['recipe']!r}: use one of {RECIPES}")
         if self.method is not None and self.method not in self.items:

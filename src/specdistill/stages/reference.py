@@ -56,6 +56,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     paths = cfg["paths"]
     out, metrics_file = Path(ref.dir) / key, Path(paths.get("metrics_dir", "metrics")) / f"reference_{key}.json"
     method, mcfg, _, loss_cfg, distill = method_sections(cfg, item["method"])
+    if method.name != item["name"]:
+        raise ConfigError(f"reference.items.{key}.name={item['name']}: methods.{item['method']} is a {method.name} "
+                          f"(its name), and the item watches that method's code: set name: {method.name}")
     if method.reference is None:
         raise ConfigError(f"reference.items.{key}.method={item['method']}: {method.name} has no reference trainer; "
                           f"use a method of {list(methods.names('reference'))}")
