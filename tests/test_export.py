@@ -163,7 +163,7 @@ def test_the_deployed_schedule_serves_each_load_its_chosen_k():
     from specdistill.engine.serving import deploy_schedule
 
     class Cfg:
-        method, concurrency, ngram_max, ngram_min = "eagle", [16, 1, 4], 3, 1
+        method, registered, concurrency, ngram_max, ngram_min = "eagle", "eagle", [16, 1, 4], 3, 1
 
     chosen = {"c1": {"deploy_k": 3}, "c4": {"deploy_k": 1}, "c16": {"deploy_k": 0}}
     spec = deploy_schedule(Cfg(), chosen, "models/export/eagle")
