@@ -10,15 +10,12 @@ from typing import Any
 
 from specdistill.core.records import read_records
 from specdistill.evaluation.accounting import two_proportion_z
+from specdistill.reporting.serving import _f
 
 
 def load_reference(metrics_dir: Path) -> dict[str, dict[str, Any]]:
     """{item: record} of the reference stages (metrics/reference_<key>.json)."""
     return {name.removeprefix("reference_"): r for name, r in read_records(metrics_dir, "reference_").items()}
-
-
-def _f(x: Any, nd: int = 2) -> str:
-    return "–" if x is None else f"{x:.{nd}f}"
 
 
 def engine_pooled(serve: dict[str, Any] | None, temperature: str) -> dict[str, Any] | None:

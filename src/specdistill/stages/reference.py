@@ -87,14 +87,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                                    loss_fn(loss_cfg.name, where) if recipe == "matched" else "")
     own = method.reference(mcfg, ctx)
 
-    data, rows, tokens = converted(cfg, ref, data_cfg, own.aux, num_layers, vocab, getattr(mcfg, "vocab_size", None),
-                                   stops, verifier)
+    data, rows, tokens, dtype = converted(cfg, ref, data_cfg, own.aux, num_layers, vocab,
+                                          getattr(mcfg, "vocab_size", None), stops, verifier)
     tokens_per_step = max(1, round(data_cfg.batch_size * tokens / rows))  # our sequences per step, packed
     opt = dict(distill["optimizer"])
     scheduler = distill.get("scheduler") or {}
     argv = ["--verifier-name-or-path", str(verifier), "--data-path", str(data), "--save-path", str(work / "run"),
             "--total-seq-len", str(tokens_per_step), "--seed", str(int(cfg.get("seed", 0))),
-            "--hidden-states-dtype", stored_dtype(cfg),
+            "--hidden-states-dtype", dtype,
             "--loss-implementation", ref.loss_implementation, "--draft-attn-impl", ref.attn_impl,
             "--num-workers", "0", "--logger", "", "--log-dir", str(work / "logs"), "--checkpoint-freq", "1",
             *(["--draft-vocab-size", str(mcfg.vocab_size), "--d2t-path", str(data / "d2t.npy"),
@@ -150,21 +150,15 @@ def launch(python: Path, args: list[str], key: str, timeout_s: int) -> None:
                           f"The command: {python} {' '.join(args)}")
 
 
-def stored_dtype(cfg: dict[str, Any]) -> str:
-    """The features store's dtype (its manifest), which the converted states keep: speculators' hidden-states dtype."""
-    from specdistill.core.data.features import read_manifest
-
-    return str(read_manifest(cfg["paths"].get("features_dir", "data/features"))["dtype"])
-
-
 def train_ratio(data: Path) -> float:
     return float(json.loads((data / "meta.json").read_text())["train_ratio"])
 
 
 def converted(cfg: dict[str, Any], ref: ReferenceConfig, data_cfg: DataConfig, aux: list[int], num_layers: int,
-              vocab: int, draft_vocab: int | None, stops: set[int], verifier: Path) -> tuple[Path, int, int]:
-    """(folder, rows, tokens) of our train split in speculators' format for these layers, converted once: items
-    that read the same layers and vocabulary share it (`work_dir/data-<fingerprint>`)."""
+              vocab: int, draft_vocab: int | None, stops: set[int], verifier: Path) -> tuple[Path, int, int, str]:
+    """(folder, rows, tokens, the store's dtype, which is speculators' hidden-states dtype) of our train split in
+    speculators' format for these layers, converted once: items that read the same layers and vocabulary share it
+    (`work_dir/data-<fingerprint>`)."""
     from specdistill.core.models.vocab import draft_vocabulary
 
     paths = cfg["paths"]
@@ -181,13 +175,13 @@ def converted(cfg: dict[str, Any], ref: ReferenceConfig, data_cfg: DataConfig, a
     if (folder / "meta.json").exists():
         meta = json.loads((folder / "meta.json").read_text())
         log.info("reference: the converted data at %s serves this run", folder)
-        return folder, int(meta["rows"]), int(meta["tokens"])
+        return folder, int(meta["rows"]), int(meta["tokens"]), str(store["dtype"])
     module = DistillDataModule(data_cfg, generated, paths["prompts_dir"], features_dir=features)
     module.setup("fit")
     d2t = (draft_vocabulary(module.response_tokens("train"), draft_vocab, vocab, always=sorted(stops))
            if draft_vocab else None)
     made = write_offline(module.splits["train"], list(store["layers"]), aux, num_layers, d2t, vocab, folder)
-    return folder, made.rows, made.tokens
+    return folder, made.rows, made.tokens, str(store["dtype"])
 
 
 def resumable(work: Path, stamp: str) -> None:
