@@ -94,8 +94,8 @@ def test_dvc_yaml_is_short_and_names_no_item():
     it; code deps are folders. Only the head to head (`compare`, four models) names its items."""
     text = (ROOT / "dvc.yaml").read_text()
     lines = text.splitlines()
-    assert len(lines) <= 270, len(lines)  # 249 when written from conf; the reference stage added 17
-    assert sum("src/" in line for line in lines) <= 80
+    assert len(lines) <= 300, len(lines)  # 249 when written from conf; reference added 17, online_engine 29
+    assert sum("src/" in line for line in lines) <= 90  # online_engine: 13 of them
     compare = re.search(r"\n  compare:.*?\n\n", text, re.S).group(0)
     code = "\n".join(line.split("#")[0] for line in text.replace(compare, "\n").splitlines())
     named = {key for item in ITEMS for key in item.split("@")[1:]}

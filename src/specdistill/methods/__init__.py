@@ -115,6 +115,11 @@ class OnlineStudent:
     save: Callable[[Path, int], None]
     replay: Callable[[Any], Any] | None = None  # loss -> a module with a live teacher sharing the student, for
     # replaying offline batches (None: the module's own teacher is live already)
+    # online_engine (vLLM serves while the student learns; online/engine.py): (out, the exported target's folder) ->
+    # the folder the engine starts the drafter from, and the student's weights now in that checkpoint's names, less
+    # what the engine's drafter shares with the target (None: this method does not learn inside the engine)
+    engine_export: Callable[[Path, Path], None] | None = None
+    engine_weights: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class OnlineConfig:
     gate_tolerance: float = 0.0  # ... the draft's acceptance there falls by at most this, else it is rolled back
     save_every: int = 1  # keep every N-th deployed version (safetensors, with its request count)
     seed: int = 0
+    engine: dict = field(default_factory=dict)  # online_engine@<m>: how vLLM serves (online/engine.py EngineServing)
     RANGES: ClassVar[dict[str, str]] = {  # checked by `section` at the stage's start, with the key named
         "requests": "[1, inf)", "held_out": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, 2]",
         "k": "[1, 64]", "update_every": "[1, inf)", "min_rejected": "[0, inf)", "steps": "[1, inf)",

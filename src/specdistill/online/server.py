@@ -59,6 +59,7 @@ class Update:
     gate_before: float | None = None  # the draft's acceptance on the gate requests before the update (online.gate)
     gate_after: float | None = None  # ... and after it
     deployed: bool = True  # False: the gate rolled it back
+    started: float = 0.0  # wall-clock time (time.time()) the update began: the engine's throughput meanwhile
 
 
 @dataclass
@@ -111,24 +112,30 @@ class OnlineDistiller:
                                    self.sampling, self.generator)
         seconds = time.perf_counter() - t0
         record = self.verifier.record.finish(res.tokens)
-        self.log.served.append(Served(len(self.log.served), len(res.tokens), len(res.rounds), record.num_accepted,
-                                      len(record.accepted), res.tau, seconds, self.version))
-        self.rule.observe(record.acceptance_rate)
-        if self.learn:
-            self.buffer.add(record)
-            self._since_update += 1
-            stopped = self.rule.stopped
-            if self._due() and self.rule.should_update():
-                if stopped:
-                    self.log.resumed_at.append(len(self.log.served))
-                    log.info("online: the acceptance window fell to %.3f, more than %.3f below its best: updating "
-                             "again after %d requests", self.rule.current, self.cfg.rearm, len(self.log.served))
-                self.update()
-            elif self.rule.stopped and self.log.stopped_at is None:
-                self.log.stopped_at = len(self.log.served)
-                log.info("online: acceptance has not improved for %d updates, stopped updating after %d requests",
-                         self.cfg.patience, self.log.stopped_at)
+        self.observe(record, Served(len(self.log.served), len(res.tokens), len(res.rounds), record.num_accepted,
+                                    len(record.accepted), res.tau, seconds, self.version))
         return res.tokens, record
+
+    def observe(self, record: RequestRecord, served: Served) -> None:
+        """One served request, whoever served it (our decoder here, the engine in `online/engine.py`): into the
+        curve, the stopping rule and, when learning, the buffer; an update when one is due."""
+        self.log.served.append(served)
+        self.rule.observe(record.acceptance_rate)
+        if not self.learn:
+            return
+        self.buffer.add(record)
+        self._since_update += 1
+        stopped = self.rule.stopped
+        if self._due() and self.rule.should_update():
+            if stopped:
+                self.log.resumed_at.append(len(self.log.served))
+                log.info("online: the acceptance window fell to %.3f, more than %.3f below its best: updating "
+                         "again after %d requests", self.rule.current, self.cfg.rearm, len(self.log.served))
+            self.update()
+        elif self.rule.stopped and self.log.stopped_at is None:
+            self.log.stopped_at = len(self.log.served)
+            log.info("online: acceptance has not improved for %d updates, stopped updating after %d requests",
+                     self.cfg.patience, self.log.stopped_at)
 
     def _due(self) -> bool:
         by_count = self._since_update >= self.cfg.update_every
@@ -141,7 +148,7 @@ class OnlineDistiller:
         (against a live target pass) is measured before and after: an update that lowers it by more than
         `gate_tolerance` is undone (weights and optimizer state) and the deployed draft stays."""
         self._since_update = 0
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         gate = self.buffer.newest(self.cfg.gate, self.pad_id) if self.cfg.gate else None
         if gate is not None:
             gate = {k: v.to(self.module.device) for k, v in gate.items()}
@@ -183,7 +190,7 @@ class OnlineDistiller:
             if self.deploy is not None:
                 self.deploy()  # the proposer's caches are rebuilt at the next request (the loop resets it)
         up = Update(len(self.log.served), time.perf_counter() - t0, sum(losses) / len(losses), positions,
-                    len(self.buffer), self.buffer.rejected, *gate_scores, deployed)
+                    len(self.buffer), self.buffer.rejected, *gate_scores, deployed, started)
         self.log.updates.append(up)
         if deployed and self.save is not None and self.save_dir is not None and self.version % self.cfg.save_every == 0:
             self.save(self.save_dir / f"v{self.version:03d}-r{up.request:04d}", up.request)

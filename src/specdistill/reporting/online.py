@@ -45,7 +45,32 @@ def online_tables(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]]
         rolled = sum(not u.get("deployed", True) for u in m["updates"]) if m.get("settings", {}).get("gate") else "–"
         lines.append(f"| {name} | {len(m['updates'])} | {rolled} | {m['stopped_at'] or '–'} | {t['update_s']:.1f} | "
                      f"{t['serve_s']:.1f} | {t['update_share']:.1%} |")
-    return [*lines, "", "![online acceptance](online_curves.png)", ""]
+    return [*lines, *engine_table(runs), "", "![online acceptance](online_curves.png)", ""]
+
+
+def engine_table(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]]) -> list[str]:
+    """online_engine@<m>: the same stream served by vLLM while the draft learns in the running engine, beside our
+    decoder's run of the same method (online@<m>)."""
+    engine = {name: m for name, (m, _) in runs.items() if "engine" in m}
+    if not engine:
+        return []
+    lines = ["", "### Inside the engine", "",
+             "vLLM serves the stream (one engine start, no restart); the trainer, in its own process, learns from",
+             "the engine's own verdicts and the target's log-probs, and each new version is loaded into the running",
+             "engine between two of its steps. Held-out gain beside our decoder's run of the same draft and stream;",
+             "the engine's output tokens/s while an update ran against the rest of the stream.", "",
+             "| run | held-out gain | our decoder's gain | versions loaded | load ms | tokens/s outside updates | "
+             "during updates | T=0 answers as the frozen run's |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, m in engine.items():
+        e, ours = m["engine"], runs.get(name.replace("online_engine_", "online_"))
+        ours_gain = f"{ours[0]['held_out']['gain']:+.3f}" if ours else "–"
+        loads = e["load_s"] / e["versions_loaded"] * 1000 if e["versions_loaded"] else 0.0
+        same = e["identical_to_frozen"]
+        lines.append(f"| {name} | {m['held_out']['gain']:+.3f} | {ours_gain} | {e['versions_loaded']} | {loads:.0f} | "
+                     f"{e['tokens_per_s_outside'] or '–'} | {e['tokens_per_s_during_updates'] or '–'} | "
+                     f"{same['identical']}/{same['requests']} |")
+    return lines
 
 
 def online_curves(runs: dict[str, tuple[dict[str, Any], list[dict[str, float]]]], path: Path) -> None:

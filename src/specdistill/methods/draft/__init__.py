@@ -125,7 +125,17 @@ def online(online_cfg: Any, target: Any, path: str, dec: DraftDecode) -> OnlineS
     def replay(loss: Any) -> Any:
         return DraftLMModule(target.model, draft, loss=loss, optimizer=torch.optim.AdamW)
 
-    return OnlineStudent(module, DraftLMProposer(serving, k=online_cfg.k), draft, serving, save, replay)
+    def engine_export(out: Path, target_dir: Path) -> None:  # vLLM's draft_model: a plain HF folder, full vocabulary
+        from specdistill.methods.draft.export import export_draft
+
+        export_draft(path, out, target_dir)
+
+    def engine_weights() -> dict[str, Any]:  # what trains, in HF names as vLLM's Llama loads them (not the frozen
+        # embeddings, nor a head tied to them)
+        return {k: p.detach().to(target.model.dtype) for k, p in draft.named_parameters() if p.requires_grad}
+
+    return OnlineStudent(module, DraftLMProposer(serving, k=online_cfg.k), draft, serving, save, replay,
+                         engine_export, engine_weights)
 
 
 def write_export(export_cfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
