@@ -259,3 +259,17 @@ def test_lightning_fit_reshuffles_each_epoch(tmp_path):
                num_sanity_val_steps=0, limit_val_batches=0).fit(model, datamodule=dm)
     assert sorted(model.seen[0]) == sorted(model.seen[1]) == [1000 + i for i in range(24)]
     assert model.seen[0] != model.seen[1]
+
+
+@pytest.mark.parametrize("fraction,kept", [(0.25, 12), (0.5, 24), (1.0, 48)])
+def test_train_fraction_keeps_the_first_rows_and_the_whole_val_split(tmp_path, fraction, kept):
+    """A data curve's smaller sizes: the first rows of the train split (a smaller size holds no row a larger one
+    lacks), an empty answer dropped before counting; validation is the same at every size."""
+    rows = varied_rows(49)
+    rows[3]["response"] = []  # dropped first: the sizes count rows with an answer
+    dm = module(tmp_path, {"train": rows, "val": rows[:8]}, batch_size=4, train_fraction=fraction)
+    want = [1000 + i for i in range(49) if i != 3][:kept]
+    assert sorted(row_keys(list(dm.train_dataloader()))) == want
+    assert len(dm.splits["val"]) == 8 - 1
+    with pytest.raises(DataError, match="train_fraction"):
+        DataConfig(train_fraction=0.0)

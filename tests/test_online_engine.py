@@ -23,6 +23,7 @@ from specdistill.methods.draft.model import draft_from_target, load_draft, save_
 from specdistill.methods.draft.proposer import DraftLMProposer
 from specdistill.online.engine import Channel, request_record
 from specdistill.online.recorder import RecordingVerifier
+from specdistill.online.server import OnlineDistiller
 
 from .helpers.data import save_code_prompts
 from .helpers.models import make_engine_model, make_tokenizer
@@ -172,3 +173,75 @@ def test_the_online_engine_stage_learns_while_the_engine_serves(tiny, monkeypatc
     cfg["online"].update(loss="fkl", engine={"k": K, "bogus": 1})
     with pytest.raises(ValueError, match="bogus"):
         online_engine.run(cfg)
+
+
+def test_an_eagle3_head_learning_in_the_engine_is_the_one_that_drafts(tiny, tmp_path):
+    """EAGLE-3 (vLLM's eagle3 drafter): the method's own engine export of a random head starts the engine, and the
+    weights its `engine_weights` hands over after the head learnt (speculators' names, the export's fc order, no
+    vocabulary maps) are the ones that draft once loaded: the engine judges what our decoder judges with each
+    version, request by request."""
+    from specdistill import methods
+    from specdistill.core.models.target import TargetConfig, load_target
+    from specdistill.methods.eagle.model import save_eagle
+    from specdistill.methods.eagle.proposer import EagleProposer, EagleTreeConfig
+    from specdistill.online.policy import OnlineConfig
+
+    from .helpers.drafts import random_head
+
+    loaded = load_target(TargetConfig(name_or_path=str(tiny["target"]), dtype="float32"))
+    head = random_head(loaded.model, "eagle3", torch.arange(200), scale=0.05)
+    head.cfg.target_fingerprint = loaded.fingerprint
+    save_eagle(head, tmp_path / "models/eagle")
+    cfg = OnlineConfig(method="eagle", items={"eagle": str(tmp_path / "models/eagle")}, lr=3e-3, steps=4,
+                       batch_size=4, update_every=10**6, topk=TOPK, replay_accepted=1.0)
+    student = methods.get("eagle", "online", "online.method").online(cfg, loaded, cfg.items["eagle"], None)
+    chain = EagleTreeConfig(shape="chain", k=K)
+    # a random head accepts nothing: learn a little first, in our decoder (the online stage's own server)
+    server = OnlineDistiller(student.module, EagleProposer(student.serving, chain, capacity=256),
+                             TargetVerifier(loaded.model, capacity=256, feature_layers=head.cfg.feature_layers), cfg,
+                             set(), 2, deploy=lambda: student.serving.load_state_dict(student.student.state_dict()))
+
+    def learn(updates: int) -> None:
+        for _ in range(updates):
+            server.update()
+
+    student.engine_export(tmp_path / "start", tiny["target"])  # the random head: it accepts nothing
+    for p in prompts(8, 9, len(tiny["tok"])):
+        server.serve(p)
+    plist = prompts(4, 5, len(tiny["tok"]))
+    channel = Channel(tmp_path / "channel")
+    job = {"target": str(tiny["target"]), "dtype": "float32", "max_model_len": 512, "seed": 0,
+           "speculative_config": {"method": "eagle3", "model": str(tmp_path / "start"), "num_speculative_tokens": K},
+           "online": {"channel": str(channel.folder), "temperature": 0.0, "max_tokens": NEW, "wait_s": 600,
+                      "phases": [{"name": "a", "prompts": plist, "ignore_eos": True},
+                                 {"name": "b", "prompts": plist, "after_final": True, "ignore_eos": True}]}}
+    before = {k: v.clone() for k, v in student.student.state_dict().items()}
+    engine = EngineProcess(job, relay=False, log_path=tmp_path / "engine.log")
+    rows: dict[str, list] = {"a": [], "b": []}
+    try:
+        for row in channel.requests(engine, 900):
+            rows[row["phase"]].append(row)
+            if row["phase"] == "a" and len(rows["a"]) == len(plist):
+                learn(20)  # the next version, learnt while the engine waits
+                channel.deploy(student.engine_weights(), final=True)
+        engine.finish()
+    except BaseException:
+        engine.kill()
+        raise
+    after = {k: v.clone() for k, v in student.student.state_dict().items()}
+    accepted = {}
+    for phase, state in (("a", before), ("b", after)):
+        student.student.load_state_dict(state)
+        proposer = EagleProposer(student.student.eval(), chain, capacity=256)
+        accepted[phase] = 0
+        for row in rows[phase]:
+            prompt = plist[row["index"]]
+            ver = RecordingVerifier(TargetVerifier(loaded.model, capacity=256, feature_layers=proposer.feature_layers),
+                                    topk=TOPK)
+            res = speculative_generate(ver, proposer, prompt, NEW + K + 1, stops=set())
+            mine, theirs = ver.record.finish(res.tokens), request_record(prompt, row, K)
+            assert row["token_ids"] == res.tokens[:NEW], phase
+            below = len(prompt) + NEW - K - 2
+            assert judged(theirs, below) == judged(mine, below), (phase, row["index"])
+            accepted[phase] += theirs.num_accepted
+    assert accepted["a"] == 0 < accepted["b"], "the learnt version must accept what the random head did not"

@@ -36,7 +36,7 @@ class EngineServing:
     """`online.engine`: how vLLM serves the stream (stage online_engine@<method>)."""
 
     # online_engine@<key> (dvc.yaml makes one per key): the offline draft each method starts from in the engine
-    items: dict = field(default_factory=lambda: {"draft": "models/draft_full"})
+    items: dict = field(default_factory=lambda: {"draft": "models/draft_full", "eagle": "models/eagle"})
     k: int = 3  # drafted tokens per step (num_speculative_tokens)
     concurrency: int = 1  # requests in flight
     dtype: str | None = None  # null: target.dtype

@@ -71,9 +71,12 @@ class DataConfig:
     # training data are measured on the same tokens (the target's own answers, what the decoder will see)
     val_source: str = "target"
     mix_lambda: float = 0.5  # source=mix: the fraction of batches whose answers the draft samples itself
+    # the first fraction of the train split's rows (those with a response, in the split's order): a data curve's
+    # smaller sizes (a `methods.<m>.data` key of a variant item); validation stays whole
+    train_fraction: float = 1.0
     RANGES: ClassVar[dict[str, str]] = {"batch_size": "[1, inf)", "max_length": "[2, inf)", "bucket_size": "[1, inf)",
                                         "num_workers": "[0, inf)", "max_response_tokens": "[1, inf)",
-                                        "mix_lambda": "[0, 1]"}  # checked by `section`, with the key named
+                                        "mix_lambda": "[0, 1]", "train_fraction": "(0, 1]"}  # checked by `section`
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,6 +87,9 @@ class DataConfig:
                 raise DataError(f"data.{key}={getattr(self, key)!r}: use one of {allowed}")
         if not 0 <= self.mix_lambda <= 1:
             raise DataError(f"data.mix_lambda={self.mix_lambda} must be in [0, 1]")
+        if not 0 < self.train_fraction <= 1:
+            raise DataError(f"data.train_fraction={self.train_fraction} must be in (0, 1]: the share of the train rows "
+                            "kept")
         if self.batch_size < 1 or self.bucket_size < 1 or self.max_response_tokens < 1 or self.num_workers < 0:
             raise DataError("data.batch_size, bucket_size and max_response_tokens must be >= 1, num_workers >= 0")
         if self.max_length < 2:
@@ -307,6 +313,10 @@ class DistillDataModule(pl.LightningDataModule):
         keep, pk, rk = kept_spans(ds, self.cfg.max_length, split)
         if len(keep) < len(ds):
             log.warning("%s: dropping %d row(s) with an empty response", split, len(ds) - len(keep))
+        if split == "train" and self.cfg.train_fraction < 1:  # the first rows: a smaller size holds no other row
+            n = max(1, round(len(keep) * self.cfg.train_fraction))
+            keep, pk, rk = keep[:n], pk[:n], rk[:n]
+        if len(keep) < len(ds):
             ds = ds.select(keep)
         if len(ds) == 0:
             raise DataError(f"the {split} split of data source {source} is empty")

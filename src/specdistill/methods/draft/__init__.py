@@ -104,7 +104,7 @@ def drafting(eval_cfg: Any, target: Any, dec: DraftDecode) -> Drafting:
                     assistant=None if reduced else draft)
 
 
-def online(online_cfg: Any, target: Any, path: str, dec: DraftDecode) -> OnlineStudent:
+def online(online_cfg: Any, target: Any, path: str, dec: DraftDecode | None) -> OnlineStudent:
     import torch
 
     from specdistill.methods.draft.model import check_same_vocabulary, load_draft, save_draft

@@ -166,7 +166,21 @@ def online(online_cfg: Any, target: Any, path: str, dec: EagleDecode) -> OnlineS
     def save(out: Path, requests: int) -> None:
         save_eagle(serving, out, extra={"requests": requests})
 
-    return OnlineStudent(module, EagleProposer(serving, dec.tree_config()), head, serving, save)
+    def engine_export(out: Path, target_dir: Path) -> None:  # speculators' EAGLE-3 folder, which vLLM loads
+        from specdistill.methods.eagle.export import export_eagle3
+
+        export_eagle3(head, out, target_dir)
+
+    def engine_weights() -> dict[str, Any]:  # the export's tensors and names, less the fixed vocabulary maps
+        from specdistill.methods.eagle.export import eagle3_state
+
+        state, _ = eagle3_state(head)
+        return {k: v.to(target.model.dtype) for k, v in state.items() if k not in ("d2t", "t2d")}
+
+    # dec None: the engine drafts (online_engine), no proposer of ours
+    proposer = EagleProposer(serving, dec.tree_config()) if dec is not None else None
+    return OnlineStudent(module, proposer, head, serving, save, engine_export=engine_export,
+                         engine_weights=engine_weights)
 
 
 def write_export(export_cfg: Any, out: Path, target_dir: Path, load_target: Any) -> None:
