@@ -149,7 +149,7 @@ def test_the_online_engine_stage_learns_while_the_engine_serves(tiny, monkeypatc
            "target": {"name_or_path": str(tiny["target"]), "dtype": "float32"},
            "online": {"requests": 6, "held_out": 3, "max_new_tokens": 16, "update_every": 2, "steps": 2,
                       "batch_size": 2, "topk": TOPK, "lr": 3e-3,
-                      "engine": {"k": K, "max_model_len": 512, "dtype": "float32",
+                      "engine": {"k": {"draft": K}, "max_model_len": 512, "dtype": "float32",
                                  "items": {"draft": "models/draft_full"}}}}
     metrics = online_engine.run(cfg)
     saved = read_record(tmp / "metrics/online_engine_draft.json")
@@ -170,7 +170,10 @@ def test_the_online_engine_stage_learns_while_the_engine_serves(tiny, monkeypatc
     cfg["online"]["loss"] = "jsd"
     with pytest.raises(ValueError, match="top-k at the judged"):
         online_engine.run(cfg)
-    cfg["online"].update(loss="fkl", engine={"k": K, "bogus": 1})
+    cfg["online"].update(loss="fkl", engine={"k": {"draft": 0}})
+    with pytest.raises(ValueError, match="online.engine.k.draft=0"):
+        online_engine.run(cfg)
+    cfg["online"].update(engine={"k": {"draft": K}, "bogus": 1})
     with pytest.raises(ValueError, match="bogus"):
         online_engine.run(cfg)
 

@@ -37,17 +37,20 @@ class EngineServing:
 
     # online_engine@<key> (dvc.yaml makes one per key): the offline draft each method starts from in the engine
     items: dict = field(default_factory=lambda: {"draft": "models/draft_full", "eagle": "models/eagle"})
-    k: int = 3  # drafted tokens per step (num_speculative_tokens)
+    k: dict = field(default_factory=lambda: {"draft": 2, "eagle": 3})  # method -> drafted tokens per step
     concurrency: int = 1  # requests in flight
     dtype: str | None = None  # null: target.dtype
     threads: str | None = "0-1"  # VLLM_CPU_OMP_THREADS_BIND (serve.threads)
     iomp: bool = True
     max_model_len: int = 2048
     timeout_s: int = 3600
-    RANGES: ClassVar[dict[str, str]] = {"k": "[1, 16]", "concurrency": "[1, 256]", "max_model_len": "[64, inf)",
+    RANGES: ClassVar[dict[str, str]] = {"concurrency": "[1, 256]", "max_model_len": "[64, inf)",
                                         "timeout_s": "[1, inf)"}
 
     def __post_init__(self) -> None:
+        for method, k in self.k.items():
+            if not isinstance(k, int) or not 1 <= k <= 16:
+                raise ValueError(f"online.engine.k.{method}={k!r}: an integer in [1, 16]")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"online.engine.dtype={self.dtype!r}: use float32, bfloat16 or null")
 

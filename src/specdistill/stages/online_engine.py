@@ -61,6 +61,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"online.method={online_cfg.method}: give the draft the engine starts from as "
                           f"online.engine.items.{online_cfg.method}, or use one of {sorted(serving.items)}")
     path = serving.items[online_cfg.method]
+    if online_cfg.method not in serving.k:
+        raise ConfigError(f"online.method={online_cfg.method}: give the engine's chain length as "
+                          f"online.engine.k.{online_cfg.method}")
+    k = serving.k[online_cfg.method]
     check_outputs(cfg, names={"online.method": online_cfg.method},
                   replaced={"online.method": versions, "paths.plots_dir": plots},
                   files={"online.method": metrics_files(metrics_dir / f"{name}.json")},
@@ -101,7 +105,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         phases = {"frozen": stream + held_out, "online": stream, "held_out": held_out}
         job = {"target": str(target_dir), "dtype": dtype, "max_model_len": serving.max_model_len,
                "seed": online_cfg.seed,
-               "speculative_config": method.speculative_config(None, serving.k, str(start)),
+               "speculative_config": method.speculative_config(None, k, str(start)),
                "online": {"channel": str(channel.folder), "concurrency": serving.concurrency,
                           "temperature": online_cfg.temperature, "max_tokens": online_cfg.max_new_tokens,
                           "stop_token_ids": sorted(target.stop_ids), "seed": online_cfg.seed,
@@ -115,7 +119,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         rows: dict[str, list[dict[str, Any]]] = {p: [] for p in phases}
         log.info("%s: the engine serves %d + %d requests with the frozen draft, then the stream while it learns, "
                  "then the held-out requests (K=%d, concurrency %d, %s)", name, len(stream), len(held_out),
-                 serving.k, serving.concurrency, dtype)
+                 k, serving.concurrency, dtype)
         # vLLM's log to a file of its own, kept (and named in the error) when the engine fails
         engine = EngineProcess(job, threads=serving.threads, iomp=serving.iomp, relay=False)
         from tqdm.auto import tqdm
@@ -125,7 +129,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             for row in channel.requests(engine, serving.timeout_s * 3):
                 phase = row["phase"]
                 rows[phase].append(row)
-                record = request_record(phases[phase][row["index"]], row, serving.k)
+                record = request_record(phases[phase][row["index"]], row, k)
                 if phase == "frozen":
                     frozen.served.append(served(row, record))
                 elif phase == "online":
@@ -155,7 +159,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     answers = {p: {r["index"]: r["token_ids"] for r in rs} for p, rs in rows.items()}
     after = [answers["online"][i] for i in range(len(stream))] + [answers["held_out"][i] for i in range(len(held_out))]
     same = sum(a == b for a, b in zip(after, [answers["frozen"][i] for i in range(len(prompts))], strict=True))
-    metrics["engine"] = {"k": serving.k, "concurrency": serving.concurrency, "dtype": dtype,
+    metrics["engine"] = {"k": k, "concurrency": serving.concurrency, "dtype": dtype,
                          "versions_loaded": len(result["swaps"]), "final_version": result["final_version"],
                          "load_s": round(sum(s["seconds"] for s in result["swaps"]), 4),
                          "cold_start_s": round(result["cold_start_s"], 2),
