@@ -119,7 +119,8 @@ def serve_online(llm: Any, job: dict[str, Any], check_parent: Any) -> dict[str, 
                                         seed=int(spec.get("seed", 0)) + i, stop_token_ids=spec.get("stop_token_ids"),
                                         logprobs=topk or None, ignore_eos=bool(phase.get("ignore_eos", False)))
                 rid = f"{name}-{i}"
-                live[rid] = {"phase": name, "index": i, "steps": [], "versions": [], "t_start": time.time()}
+                live[rid] = {"phase": name, "index": i, "steps": [], "versions": [], "emitted": 0,
+                             "t_start": time.time()}
                 engine.add_request(rid, {"prompt_token_ids": list(prompts[i])}, params)
 
             concurrency = int(phase.get("concurrency", spec.get("concurrency", 1)))
@@ -134,8 +135,9 @@ def serve_online(llm: Any, job: dict[str, Any], check_parent: Any) -> dict[str, 
                 emitted = 0
                 for o in outputs:
                     row, comp = live[o.request_id], o.outputs[0]
-                    n = len(comp.token_ids) - sum(row["steps"])
+                    n = len(comp.token_ids) - row["emitted"]  # the output is cumulative: this step's tokens
                     if n > 0:
+                        row["emitted"] += n
                         row["steps"].append(n)
                         row["versions"].append(drafter.version)
                         emitted += n

@@ -152,8 +152,9 @@ def throughput(steps: list[list[float]], updates: list[Any]) -> dict[str, Any]:
     """The engine's output tokens/s over its learning-phase steps, those that ran while the trainer was updating
     (the two share the machine) against the others."""
     spans = [(u.started, u.started + u.seconds) for u in updates]
-    during = [s for s in steps if any(a <= s[0] <= b for a, b in spans)]
-    outside = [s for s in steps if not any(a <= s[0] <= b for a, b in spans)]
+    during, outside = [], []
+    for s in steps:
+        (during if any(a <= s[0] <= b for a, b in spans) else outside).append(s)
 
     def rate(rows: list[list[float]]) -> float | None:
         secs = sum(r[2] for r in rows)

@@ -81,7 +81,9 @@ def offline_replay(cfg: dict[str, Any], online_cfg: OnlineConfig, target: Any, m
     return batches, (replay(build_loss(online_cfg.loss)) if replay is not None else module)
 
 
-def run(cfg: dict[str, Any]) -> dict[str, Any]:
+def checked_config(cfg: dict[str, Any]) -> tuple[OnlineConfig, TargetConfig, Any]:
+    """The online section, the target's and the method, checked before anything loads (online@ and online_engine@):
+    types and ranges, the loss, and a stored-teacher method's loss against what it stores."""
     online_cfg = section(OnlineConfig, dict(cfg["online"]), "online")
     target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
     cross_limits(cfg)
@@ -90,11 +92,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     except LossError as e:
         raise ConfigError(f"online.loss: {e}") from e
     method = methods.get(online_cfg.method, "online", "online.method")
-    dec = methods.decode_settings(cfg, online_cfg.method,
-                                  (online_cfg.decode or {}).get(online_cfg.method))  # checked before any load
     if method.online_teacher == "stored" and online_cfg.loss not in STORED_TEACHER_LOSSES:
         raise ConfigError(f"online.loss={online_cfg.loss}: online.method={online_cfg.method} learns from the target's "
                           f"stored top-k at the judged positions; use one of {STORED_TEACHER_LOSSES}")
+    return online_cfg, target_cfg, method
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    online_cfg, target_cfg, method = checked_config(cfg)
+    dec = methods.decode_settings(cfg, online_cfg.method,
+                                  (online_cfg.decode or {}).get(online_cfg.method))  # checked before any load
     models_dir = Path(cfg["paths"].get("models_dir", "models"))
     check_outputs(cfg, names={"online.method": online_cfg.method},
                   replaced={"online.method": models_dir / f"online_{online_cfg.method}",

@@ -21,34 +21,26 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from specdistill import methods
 from specdistill.core.config import section
 from specdistill.core.hardware import environment
 from specdistill.core.io import atomic_path
-from specdistill.core.models.target import TargetConfig, load_target
+from specdistill.core.models.target import load_target
 from specdistill.core.records import metrics_files
-from specdistill.core.stage import ConfigError, check_outputs, cross_limits
+from specdistill.core.stage import ConfigError, check_outputs
 from specdistill.core.tracking import wandb_run
 from specdistill.engine.client import EngineProcess
 from specdistill.engine.environment import engine_python
 from specdistill.export.target import ExportError
 from specdistill.online.engine import Channel, EngineServing, request_record, served, throughput
-from specdistill.online.policy import OnlineConfig
 from specdistill.online.server import OnlineDistiller, OnlineLog
-from specdistill.stages.online import STORED_TEACHER_LOSSES, log_wandb, request_prompts, summarise, write_outputs
+from specdistill.stages.online import checked_config, log_wandb, request_prompts, summarise, write_outputs
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    online_cfg = section(OnlineConfig, dict(cfg["online"]), "online")
+    online_cfg, target_cfg, method = checked_config(cfg)
     serving = section(EngineServing, dict(online_cfg.engine), "online.engine")
-    target_cfg = section(TargetConfig, dict(cfg["target"]), "target")
-    cross_limits(cfg)
-    method = methods.get(online_cfg.method, "online", "online.method")
-    if method.online_teacher == "stored" and online_cfg.loss not in STORED_TEACHER_LOSSES:
-        raise ConfigError(f"online.loss={online_cfg.loss}: the student learns from the target's top-k at the judged "
-                          f"positions; use one of {STORED_TEACHER_LOSSES}")
     if online_cfg.gate or online_cfg.replay_offline:
         raise ConfigError("online_engine: online.gate and online.replay_offline are our decoder's (online@<m>); "
                           "set them to 0 for the engine")
