@@ -14,6 +14,7 @@ from specdistill.methods.draft.model import save_draft
 from specdistill.methods.draft.proposer import DraftLMProposer
 from specdistill.methods.draft.training import DraftLMModule
 from specdistill.online.buffer import RejectionBuffer
+from specdistill.online.engine import request_record, version_rate
 from specdistill.online.policy import OnlineConfig, StoppingRule
 from specdistill.online.recorder import RecordingVerifier
 from specdistill.online.server import OnlineDistiller
@@ -98,6 +99,17 @@ def test_stopping_rule_stops_when_acceptance_stalls():
     assert not rule.should_update() and rule.stopped  # `patience` updates without a gain: stop
     rule.observe(1.0)
     assert not rule.should_update()  # stopped (no re-arm asked for)
+
+
+def test_the_engine_rows_judged_positions_and_each_versions_own_rate():
+    """An engine request row (K=2): the tokens each step emitted, the drafter version of each step. A step emitting
+    n accepted n - 1 drafts and rejected the n-th unless all K passed; the last step's tail is unknown."""
+    row = {"token_ids": list(range(10, 19)), "steps": [1, 3, 1, 2, 2], "versions": [0, 0, 1, 1, 1]}
+    rec = request_record([5, 6], row, k=2)
+    # output index o is judged at position prompt_len + o - 1: the outputs 1, 2 | 4 | 5, 6 | 7
+    assert rec.positions == [2, 3, 5, 6, 7, 8] and rec.accepted == [True, True, False, True, False, True]
+    # version 1 loaded after the first decode step: its steps alone judge it, as our decoder's requests would
+    assert version_rate(row, 2, 0) == 1.0 and version_rate(row, 2, 1) == 0.5 and version_rate(row, 2, 2) is None
 
 
 def test_stopping_rule_rearms_when_the_traffic_moves_on():

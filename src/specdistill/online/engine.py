@@ -115,28 +115,42 @@ class Channel:
                 time.sleep(0.05)
 
 
-def request_record(prompt: list[int], row: dict[str, Any], k: int) -> RequestRecord:
-    """The engine's request as our recorder would have kept it: positions index prompt + output, position t
-    holding the target's distribution of token t + 1 (k: the drafted tokens per step). The first step (prefill)
-    judges no draft; a later step that emitted n tokens accepted its first n - 1 drafts and, unless all k were
-    accepted, rejected the n-th (the target's correction stands there). A request's last step may be cut by
-    max_tokens or a stop token, so only its accepted drafts are kept (what follows them is unknown)."""
-    rec = RequestRecord(tokens=list(prompt) + list(row["token_ids"]), prompt_len=len(prompt))
-    ids, lps = row.get("topk_ids"), row.get("topk_logprobs")
+def _judged(row: dict[str, Any], k: int) -> Iterator[tuple[int, int, bool]]:
+    """(step, output index, accepted) of each draft position the engine judged in a request. The first step
+    (prefill) judges no draft; a later step that emitted n tokens accepted its first n - 1 drafts and, unless all
+    k were accepted, rejected the n-th (the target's correction stands there). A request's last step may be cut by
+    max_tokens or a stop token, so only its accepted drafts count (what follows them is unknown)."""
     steps = row["steps"]
     out = steps[0]  # the output index of the step's first token
     for s, n in enumerate(steps[1:], start=1):
-        judged = [(out + d, True) for d in range(n - 1)]
+        for d in range(n - 1):
+            yield s, out + d, True
         if n - 1 < k and s < len(steps) - 1:
-            judged.append((out + n - 1, False))
-        for o, ok in judged:
-            rec.positions.append(len(prompt) + o - 1)
-            rec.accepted.append(ok)
-            if ids is not None:
-                rec.topk_ids.append(torch.tensor(ids[o], dtype=torch.long))
-                rec.topk_logprobs.append(torch.tensor(lps[o], dtype=torch.float32))
+            yield s, out + n - 1, False
         out += n
+
+
+def request_record(prompt: list[int], row: dict[str, Any], k: int) -> RequestRecord:
+    """The engine's request as our recorder would have kept it: positions index prompt + output, position t
+    holding the target's distribution of token t + 1 (k: the drafted tokens per step)."""
+    rec = RequestRecord(tokens=list(prompt) + list(row["token_ids"]), prompt_len=len(prompt))
+    ids, lps = row.get("topk_ids"), row.get("topk_logprobs")
+    for _, o, ok in _judged(row, k):
+        rec.positions.append(len(prompt) + o - 1)
+        rec.accepted.append(ok)
+        if ids is not None:
+            rec.topk_ids.append(torch.tensor(ids[o], dtype=torch.long))
+            rec.topk_logprobs.append(torch.tensor(lps[o], dtype=torch.float32))
     return rec
+
+
+def version_rate(row: dict[str, Any], k: int, version: int) -> float | None:
+    """The request's acceptance over the steps drafter `version` served (None: it served none). The engine keeps
+    serving while the trainer updates, so the request in flight then is mostly the previous version's; the
+    stopping rule judges each version by its own steps, as our decoder's (one version per request) does."""
+    versions = row["versions"]
+    marks = [ok for s, _, ok in _judged(row, k) if versions[s] == version]
+    return sum(marks) / len(marks) if marks else None
 
 
 def served(row: dict[str, Any], record: RequestRecord) -> Served:

@@ -113,14 +113,16 @@ class OnlineDistiller:
         seconds = time.perf_counter() - t0
         record = self.verifier.record.finish(res.tokens)
         self.observe(record, Served(len(self.log.served), len(res.tokens), len(res.rounds), record.num_accepted,
-                                    len(record.accepted), res.tau, seconds, self.version))
+                                    len(record.accepted), res.tau, seconds, self.version), record.acceptance_rate)
         return res.tokens, record
 
-    def observe(self, record: RequestRecord, served: Served) -> None:
+    def observe(self, record: RequestRecord, served: Served, rate: float | None) -> None:
         """One served request, whoever served it (our decoder here, the engine in `online/engine.py`): into the
-        curve, the stopping rule and, when learning, the buffer; an update when one is due."""
+        curve, the stopping rule and, when learning, the buffer; an update when one is due. `rate`: the acceptance
+        the stopping rule counts for the deployed draft (None: the request judged none of its drafts)."""
         self.log.served.append(served)
-        self.rule.observe(record.acceptance_rate)
+        if rate is not None:
+            self.rule.observe(rate)
         if not self.learn:
             return
         self.buffer.add(record)

@@ -31,7 +31,7 @@ from specdistill.core.tracking import wandb_run
 from specdistill.engine.client import EngineProcess
 from specdistill.engine.environment import engine_python
 from specdistill.export.target import ExportError
-from specdistill.online.engine import Channel, EngineServing, request_record, served, throughput
+from specdistill.online.engine import Channel, EngineServing, request_record, served, throughput, version_rate
 from specdistill.online.server import OnlineDistiller, OnlineLog
 from specdistill.stages.online import checked_config, log_wandb, request_prompts, summarise, write_outputs
 
@@ -125,7 +125,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 if phase == "frozen":
                     frozen.served.append(served(row, record))
                 elif phase == "online":
-                    online.observe(record, served(row, record))
+                    online.observe(record, served(row, record), version_rate(row, k, channel.version))
                     if len(rows["online"]) == len(stream):
                         online.learn = False  # the held-out part measures the draft as the stream left it
                         channel.finish()
