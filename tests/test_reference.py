@@ -20,7 +20,7 @@ from specdistill.reference import ReferenceConfig, loss_fn
 from specdistill.reference.convert import VAL_ROWS, write_offline
 from specdistill.reference.shims import SHIMS
 from specdistill.stages import features as features_stage
-from specdistill.stages.reference import LAUNCH
+from specdistill.stages.reference import LAUNCH, data_folder
 
 from .helpers.train import composed, overrides
 
@@ -88,6 +88,16 @@ def test_conversion_refuses_missing_layers_and_leaves_nothing(tmp_path, rows, ti
     with pytest.raises(DataError, match="missing \\[5\\]"):
         write_offline(rows, LAYERS, [0, 1, 5], 2, None, len(tiny_tokenizer), tmp_path / "data", progress=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_each_data_size_converts_to_a_folder_of_its_own(tmp_path):
+    """A data curve's items (methods.<m>.data.train_fraction) must not share a conversion; batching does not
+    change the rows, so it shares one."""
+    def folder(**data):
+        return data_folder(tmp_path, "store", [0, 1], DataConfig(**data), 64, {2})
+
+    assert folder(train_fraction=0.25) != folder() != folder(max_length=32)
+    assert folder(batch_size=2, num_workers=1) == folder()
 
 
 def test_reference_config_and_method_flags_are_checked(tiny_tokenizer):

@@ -388,3 +388,41 @@ def test_the_reference_section_pools_the_engines_counts_and_sets_each_trainer_be
     row = next(line for line in lines if line.startswith("| eagle | speculators, matched | 0.60"))
     assert "| 1.90 |" in row and "| 4.00 |" in row  # its tau; z = (0.6 - 0.4) / sqrt(0.5 * 0.5 * 2 / 200)
     assert reference_tables({}, runs, {}, {}) == []
+
+
+def test_the_data_curve_fits_tau_against_the_training_tokens_per_trainer():
+    """Drafts that differ only in train_fraction form one curve per trainer; tau = a + b ln(tokens) is fitted over
+    them and the tokens for tau 2.5 and 3 read off it. Drafts of another architecture stay out of it."""
+    import math
+
+    from specdistill.reporting.reference import data_curve, engine_pooled, log_fit, tokens_for
+
+    def served(tau: float) -> dict:  # one dataset, K = 1: tau = 1 + accepted / drafts
+        acc = round((tau - 1) * 1000)
+        return {"settings": {"agreement_k": 1, "concurrency": [1]},
+                "results": {"humaneval": {"T0.0": {"c1": {"k1": {"drafts": 1000, "accepted_per_pos": [acc]}}}}}}
+
+    def run(fraction: float, tokens: int, draft: str = "eagle3") -> dict:
+        return {"settings": {"method": "eagle", "draft": draft, "loss": "fkl", "trainer": {"max_steps": 8},
+                             "distill": {"data": {"train_fraction": fraction, "batch_size": 8}},
+                             "train_tokens": tokens}}
+
+    a, b = 0.5, 0.1  # ours: tau = 0.5 + 0.1 ln(tokens) exactly at 1e4, 2e4, 4e4
+    runs = {"eagle_d25": run(0.25, 10_000), "eagle_d50": run(0.5, 20_000), "eagle": run(1.0, 40_000),
+            "eagle31": run(1.0, 40_000, draft="eagle3.1")}
+    serve = {k: served(a + b * math.log(n)) for k, n in
+             (("eagle_d25", 10_000), ("eagle_d50", 20_000), ("eagle", 40_000))}
+    serve["eagle31"] = served(1.9)
+    reference = {f"{k}_matched": {"recipe": "matched", "settings": {"methods_key": k}} for k in ("eagle_d25", "eagle")}
+    serve |= {"ref_eagle_d25_matched": served(1.40), "ref_eagle_matched": served(1.60)}
+    lines = data_curve(reference, runs, serve, "T0.0")
+    ours = next(line for line in lines if line.startswith("| ours |"))
+    assert log_fit([(1e4, a + b * math.log(1e4)), (4e4, a + b * math.log(4e4))]) == pytest.approx((a, b))
+    fit = log_fit([(n, engine_pooled(serve[k], "T0.0")["tau"]) for k, n in
+                   (("eagle_d25", 1e4), ("eagle_d50", 2e4), ("eagle", 4e4))])  # the served taus, to 1/1000
+    assert f"| {a:.2f} | {b:.3f} | {tokens_for(fit, 2.5):,.0f} | {tokens_for(fit, 3.0):,.0f} |" in ours
+    assert "(eagle_d25)" in ours and "(eagle31)" not in "\n".join(lines)  # EAGLE-3.1 is not a size of EAGLE-3
+    ref = next(line for line in lines if line.startswith("| speculators, matched |"))
+    assert "1.40 at 10,000 (ref_eagle_d25_matched), 1.60 at 40,000 (ref_eagle_matched)" in ref
+    assert tokens_for((1.0, -0.1), 2.5) is None and log_fit([(1e4, 1.5)]) is None
+    assert data_curve(reference, {"eagle": runs["eagle"]}, serve, "T0.0") == []  # one size: no curve

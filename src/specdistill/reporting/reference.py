@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -112,4 +114,75 @@ def reference_tables(reference: dict[str, dict[str, Any]], runs: dict[str, dict[
                          f"{_f(decoder_mean(ev, e0, 'tau') if e0 else None)} | "
                          f"{_f(decoder_mean(ev, e0, 'speedup') if e0 else None)} |")
     return lines + ["", "A dash: that stage has not run (`dvc repro serve@ref_<key> evaluate@ref_<key>`), or the "
-                    "checkpoint has a layout our decoder does not read (the shipped recipe's norms).", ""]
+                    "checkpoint has a layout our decoder does not read (the shipped recipe's norms).", "",
+                    *data_curve(reference, runs, serve, t0)]
+
+
+def curve_of(run: dict[str, Any]) -> str:
+    """What a train record's draft is apart from how much data it saw: the items of one data curve share it."""
+    s = run.get("settings") or {}
+    distill = json.loads(json.dumps(s.get("distill") or {}))
+    (distill.get("data") or {}).pop("train_fraction", None)
+    return json.dumps([s.get("method"), s.get("draft"), s.get("loss"), distill, s.get("trainer")], sort_keys=True)
+
+
+def log_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(a, b) of tau = a + b ln(tokens), least squares; None under two distinct sizes."""
+    xs, ys = [math.log(x) for x, _ in points], [y for _, y in points]
+    if len(set(xs)) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def tokens_for(fit: tuple[float, float] | None, tau: float) -> float | None:
+    """The training tokens the fit predicts for `tau` (None: no fit, or tau does not grow with data)."""
+    if fit is None or fit[1] <= 0:
+        return None
+    return math.exp((tau - fit[0]) / fit[1])
+
+
+def data_curve(reference: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]],
+               serve: dict[str, dict[str, Any]], t0: str | None) -> list[str]:
+    """Engine tau at T=0 against the training answers' tokens, per trainer, for drafts that differ only in
+    distill.data.train_fraction (methods variants, e.g. cpu_full's eagle_d25 / eagle_d50 beside eagle), with the
+    fit tau = a + b ln(tokens) and the tokens it predicts for tau 2.5 and 3."""
+    if t0 is None:
+        return []
+    groups: dict[str, list[str]] = {}
+    for key, r in runs.items():
+        if (r.get("settings") or {}).get("train_tokens"):
+            groups.setdefault(curve_of(r), []).append(key)
+    lines: list[str] = []
+    for keys in groups.values():
+        fractions = {runs[k]["settings"]["distill"]["data"].get("train_fraction", 1.0) for k in keys}
+        if len(fractions) < 2:
+            continue
+        trainers: dict[str, list[tuple[float, float, str]]] = {}
+        for k in keys:
+            tokens = float(runs[k]["settings"]["train_tokens"])
+            served = [("ours", k)] + [(f"speculators, {r['recipe']}", f"ref_{ref}") for ref, r in reference.items()
+                                      if r["settings"]["methods_key"] == k]
+            for label, serve_key in served:
+                e = engine_pooled(serve.get(serve_key), t0)
+                if e:
+                    trainers.setdefault(label, []).append((tokens, e["tau"], serve_key))
+        if not trainers:
+            continue
+        lines += ["### How much data: the engine's tau against the training answers", "",
+                  "The same draft, steps and recipe on the first fraction of the training answers "
+                  "(`methods.<m>.data.train_fraction`): the engine's tau at T=0 (as above) against the tokens of "
+                  "the answers trained on, and the fit tau = a + b ln(tokens) over them. The tokens it predicts for a "
+                  "tau beyond the largest size measured are an extrapolation of that fit, not a measurement.", "",
+                  "| trainer | tau T=0 at tokens (item) | a | b | tokens for tau 2.5 | tokens for tau 3 |",
+                  "|---|---|---|---|---|---|"]
+        for label, pts in trainers.items():
+            pts.sort()
+            fit = log_fit([(x, y) for x, y, _ in pts])
+            at = ", ".join(f"{y:.2f} at {x:,.0f} ({k})" for x, y, k in pts)
+            need = [tokens_for(fit, t) for t in (2.5, 3.0)]
+            lines.append(f"| {label} | {at} | {_f(fit and fit[0])} | {_f(fit and fit[1], 3)} | "
+                         + " | ".join("–" if n is None else f"{n:,.0f}" for n in need) + " |")
+        lines.append("")
+    return lines

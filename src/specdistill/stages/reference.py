@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -170,8 +171,7 @@ def converted(cfg: dict[str, Any], ref: ReferenceConfig, data_cfg: DataConfig, a
                             exported_fingerprint(verifier) or "")
     except DataError as e:
         raise ConfigError(str(e)) from e
-    folder = Path(ref.work_dir) / ("data-" + config_hash({"store": store["fingerprint"], "aux": aux,
-                                                           "vocab": draft_vocab, "stops": sorted(stops)})[:12])
+    folder = data_folder(Path(ref.work_dir), store["fingerprint"], aux, data_cfg, draft_vocab, stops)
     if (folder / "meta.json").exists():
         meta = json.loads((folder / "meta.json").read_text())
         log.info("reference: the converted data at %s serves this run", folder)
@@ -182,6 +182,16 @@ def converted(cfg: dict[str, Any], ref: ReferenceConfig, data_cfg: DataConfig, a
            if draft_vocab else None)
     made = write_offline(module.splits["train"], list(store["layers"]), aux, num_layers, d2t, vocab, folder)
     return folder, made.rows, made.tokens, str(store["dtype"])
+
+
+def data_folder(work_dir: Path, store: str, aux: list[int], data_cfg: DataConfig, draft_vocab: int | None,
+                stops: set[int]) -> Path:
+    """Where a conversion lives: named by all that decides its content, the store, the layers, the vocabulary and
+    the rows distill.data picks (train_fraction, max_length, source...; not how they are batched), so a data
+    curve's items never read another size's rows."""
+    rows = {k: v for k, v in asdict(data_cfg).items() if k not in ("num_workers", "batch_size")}
+    return work_dir / ("data-" + config_hash({"store": store, "aux": aux, "rows": rows, "vocab": draft_vocab,
+                                              "stops": sorted(stops)})[:12])
 
 
 def resumable(work: Path, stamp: str) -> None:
