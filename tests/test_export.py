@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdistill.export.target import ExportError, export_target, exported_fingerprint
+from specdistill.core.errors import ConfigError
+from specdistill.export.target import ExportError, engine_context, export_target, exported_fingerprint
 from specdistill.methods.eagle.export import eagle3_state, export_eagle3
 from specdistill.methods.eagle.model import build_eagle
 
@@ -312,3 +313,12 @@ def test_a_speculators_folder_for_another_verifier_or_head_is_refused(exported, 
     (out / "config.json").write_text(json.dumps({**config, "norm_before_residual": True}))
     with pytest.raises(EagleError, match="norm_before_residual.*another drafter"):  # speculators' other recipe
         load_eagle(out, model)
+
+
+def test_the_engine_context_is_the_targets_unless_set_and_never_beyond_it(tmp_path):
+    """serve@ and online_engine@ check their max_model_len before the engine starts (vLLM fails later, in its log)."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    assert engine_context(tmp_path, None, "serve.max_model_len") == 256
+    assert engine_context(tmp_path, 128, "online.engine.max_model_len") == 128
+    with pytest.raises(ConfigError, match=r"online.engine.max_model_len=512 exceeds the target's context \(256"):
+        engine_context(tmp_path, 512, "online.engine.max_model_len")

@@ -173,6 +173,9 @@ def test_the_online_engine_stage_learns_while_the_engine_serves(tiny, monkeypatc
     cfg["online"].update(loss="fkl", engine={"k": {"draft": 0}})
     with pytest.raises(ValueError, match="online.engine.k.draft=0"):
         online_engine.run(cfg)
+    cfg["online"].update(engine={"k": {"draft": K}, "max_model_len": 1 << 20})
+    with pytest.raises(ValueError, match="exceeds the target's context"):
+        online_engine.run(cfg)
     cfg["online"].update(engine={"k": {"draft": K}, "bogus": 1})
     with pytest.raises(ValueError, match="bogus"):
         online_engine.run(cfg)

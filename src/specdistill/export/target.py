@@ -35,6 +35,20 @@ def exported_fingerprint(target_dir: str | Path) -> str | None:
     return folder_info(target_dir).get("target_fingerprint")
 
 
+def engine_context(target_dir: str | Path, max_model_len: int | None, key: str) -> int:
+    """The context the engine serves the exported target with: `max_model_len` (the setting named `key`), or the
+    target's own when None; one beyond the target's positions is refused before the engine starts."""
+    import json
+
+    from specdistill.core.errors import ConfigError
+
+    context = json.loads((Path(target_dir) / "config.json").read_text()).get("max_position_embeddings") or 2048
+    if max_model_len is not None and max_model_len > context:
+        raise ConfigError(f"{key}={max_model_len} exceeds the target's context ({context} positions): lower it"
+                          + (", or null for the target's own" if key == "serve.max_model_len" else ""))
+    return max_model_len or context
+
+
 def target_identities(target_dir: str | Path) -> set[str]:
     """Every fingerprint a draft trained on these weights may carry: the source's (e.g. the GGUF it was exported
     from) and the folder's own (a draft trained with `target.name_or_path=<this folder>`)."""

@@ -30,7 +30,7 @@ from specdistill.core.stage import ConfigError, check_outputs
 from specdistill.core.tracking import wandb_run
 from specdistill.engine.client import EngineProcess
 from specdistill.engine.environment import engine_python
-from specdistill.export.target import ExportError
+from specdistill.export.target import ExportError, engine_context
 from specdistill.online.engine import Channel, EngineServing, request_record, served, throughput, version_rate
 from specdistill.online.server import OnlineDistiller, OnlineLog
 from specdistill.stages.online import checked_config, log_wandb, request_prompts, summarise, write_outputs
@@ -68,6 +68,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if not (target_dir / "config.json").exists():
         raise ExportError(f"online_engine@{online_cfg.method} needs the exported target at {target_dir}: run "
                           "`dvc repro export_target` first")
+    engine_context(target_dir, serving.max_model_len, "online.engine.max_model_len")
     engine_python()  # no engine environment: a clear error now, before the target loads
     texts = request_prompts(Path(paths["prompts_dir"]), online_cfg.scenario, online_cfg.requests + online_cfg.held_out)
     target = load_target(target_cfg)

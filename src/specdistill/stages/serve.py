@@ -11,7 +11,6 @@ same prompts, same chain, K=agreement_k, T=0).
 from __future__ import annotations
 
 import csv
-import json
 import logging
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -42,7 +41,7 @@ from specdistill.engine.serving import (
 from specdistill.evaluation.accounting import two_proportion_z
 from specdistill.evaluation.contention import Contention, busy_warning, cpu_list, own_and_children_cpu_seconds
 from specdistill.evaluation.prompts import chat_encoder, load_conversations
-from specdistill.export.target import ExportError, exported_fingerprint
+from specdistill.export.target import ExportError, engine_context, exported_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +66,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ExportError(f"serve@{serve_cfg.method} needs {need}: run {stage} first")
     serve_cfg, skipped = servable_k(serve_cfg, method, draft_dir)
     engine_python()  # no engine environment: a clear error now, not after the prompts load
-    context = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
-    if serve_cfg.max_model_len is not None and serve_cfg.max_model_len > context:
-        raise ConfigError(f"serve.max_model_len={serve_cfg.max_model_len} exceeds the target's context "
-                          f"({context} positions): lower it, or null for the target's own")
-    max_model_len = serve_cfg.max_model_len or context
+    max_model_len = engine_context(target_dir, serve_cfg.max_model_len, "serve.max_model_len")
     tok = load_tokenizer(target_cfg)
     encode = chat_encoder(tok)
     prompts = {ds: [encode([{"role": "user", "content": c.turns[0]}])
