@@ -101,15 +101,36 @@ def test_stopping_rule_stops_when_acceptance_stalls():
     assert not rule.should_update()  # stopped (no re-arm asked for)
 
 
-def test_the_engine_rows_judged_positions_and_each_versions_own_rate():
-    """An engine request row (K=2): the tokens each step emitted, the drafter version of each step. A step emitting
-    n accepted n - 1 drafts and rejected the n-th unless all K passed; the last step's tail is unknown."""
-    row = {"token_ids": list(range(10, 19)), "steps": [1, 3, 1, 2, 2], "versions": [0, 0, 1, 1, 1]}
+def test_the_engine_rows_judged_positions_and_which_version_they_judge():
+    """An engine request row (K=2): the tokens each step emitted, the drafter version loaded before each step. A
+    step emitting n accepted n - 1 drafts and rejected the n-th unless all K passed; the last step's tail is
+    unknown. A step judges the drafts proposed at the end of the step before, by that step's version."""
+    row = {"token_ids": list(range(10, 19)), "steps": [1, 3, 1, 2, 2], "versions": [1, 1, 1, 1, 2]}
     rec = request_record([5, 6], row, k=2)
     # output index o is judged at position prompt_len + o - 1: the outputs 1, 2 | 4 | 5, 6 | 7
     assert rec.positions == [2, 3, 5, 6, 7, 8] and rec.accepted == [True, True, False, True, False, True]
-    # version 1 loaded after the first decode step: its steps alone judge it, as our decoder's requests would
-    assert version_rate(row, 2, 0) == 1.0 and version_rate(row, 2, 1) == 0.5 and version_rate(row, 2, 2) is None
+    # version 2 loaded before the last step: it proposed nothing that was judged, so the request is version 1's
+    assert version_rate(row, 2, 1) == 4 / 6 and version_rate(row, 2, 2) is None
+    # a request the previous version partly drafted (or prefilled: the draft's cache of the prompt) judges neither
+    for versions in ([0, 0, 1, 1, 1], [0, 1, 1, 1, 1]):
+        assert version_rate({**row, "versions": versions}, 2, 1) is None
+        assert version_rate({**row, "versions": versions}, 2, 0) is None
+
+
+def test_an_update_waits_for_a_request_that_judged_the_deployed_draft_alone(target):
+    """The engine serves on while the trainer updates: requests that do not judge the new version alone give the
+    stopping rule nothing, so no update is judged (or stopped) on none of that version's requests."""
+    cfg = OnlineConfig(requests=3, update_every=1, steps=1, batch_size=1, lr=1e-3, topk=16, window=4, patience=1)
+    online = OnlineDistiller(module_for(target, student(target)), DraftLMProposer(student(target), k=2),
+                             TargetVerifier(target, capacity=128), cfg, set(), 2)
+    _, record = online.serve(PROMPTS[0])
+    assert len(online.log.updates) == 1  # the first window is the best so far
+    served = online.log.served[-1]
+    for _ in range(3):
+        online.observe(record, served, None)
+    assert len(online.log.updates) == 1 and online.rule.stale == 0 and not online.rule.stopped
+    online.observe(record, served, 1.0)  # the new version's own request, a better window
+    assert len(online.log.updates) == 2 and not online.rule.stopped
 
 
 def test_stopping_rule_rearms_when_the_traffic_moves_on():

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from specdistill.core.data.datamodule import DataConfig, DistillDataModule
 from specdistill.core.errors import ConfigError, DataError
+from specdistill.core.io import config_hash
 from specdistill.engine.environment import engine_available, engine_python
 from specdistill.methods import ReferenceContext, get
 from specdistill.reference import ReferenceConfig, loss_fn
@@ -96,8 +97,10 @@ def test_each_data_size_converts_to_a_folder_of_its_own(tmp_path):
     def folder(**data):
         return data_folder(tmp_path, "store", [0, 1], DataConfig(**data), 64, {2})
 
-    assert folder(train_fraction=0.25) != folder() != folder(max_length=32)
-    assert folder(batch_size=2, num_workers=1) == folder()
+    assert folder(train_fraction=0.25) != folder(train_fraction=0.5) != folder()
+    assert folder(batch_size=2, num_workers=1) == folder() == folder(train_fraction=1)
+    # the whole data keeps the name an older version gave it: a finished reference run is not redone
+    assert folder().name == "data-" + config_hash({"store": "store", "aux": [0, 1], "vocab": 64, "stops": [2]})[:12]
 
 
 def test_reference_config_and_method_flags_are_checked(tiny_tokenizer):

@@ -402,20 +402,22 @@ def test_the_data_curve_fits_tau_against_the_training_tokens_per_trainer():
         return {"settings": {"agreement_k": 1, "concurrency": [1]},
                 "results": {"humaneval": {"T0.0": {"c1": {"k1": {"drafts": 1000, "accepted_per_pos": [acc]}}}}}}
 
-    def run(fraction: float, tokens: int, draft: str = "eagle3") -> dict:
-        return {"settings": {"method": "eagle", "draft": draft, "loss": "fkl", "trainer": {"max_steps": 8},
-                             "distill": {"data": {"train_fraction": fraction, "batch_size": 8}},
+    def run(fraction: float, tokens: int, variant: str = "eagle3", logged: int = 10) -> dict:
+        return {"settings": {"method": {"name": "eagle", "variant": variant}, "draft": None, "loss": "fkl",
+                             "trainer": {"max_steps": 8, "log_every_n_steps": logged}, "target_fingerprint": "t",
+                             "val_tokens": 900, "distill": {"data": {"train_fraction": fraction, "batch_size": 8}},
                              "train_tokens": tokens}}
 
     a, b = 0.5, 0.1  # ours: tau = 0.5 + 0.1 ln(tokens) exactly at 1e4, 2e4, 4e4
-    runs = {"eagle_d25": run(0.25, 10_000), "eagle_d50": run(0.5, 20_000), "eagle": run(1.0, 40_000),
-            "eagle31": run(1.0, 40_000, draft="eagle3.1")}
+    runs = {"eagle_d25": run(0.25, 10_000), "eagle_d50": run(0.5, 20_000, logged=1), "eagle": run(1.0, 40_000),
+            "eagle31": run(1.0, 40_000, variant="eagle3.1")}
     serve = {k: served(a + b * math.log(n)) for k, n in
              (("eagle_d25", 10_000), ("eagle_d50", 20_000), ("eagle", 40_000))}
     serve["eagle31"] = served(1.9)
     reference = {f"{k}_matched": {"recipe": "matched", "settings": {"methods_key": k}} for k in ("eagle_d25", "eagle")}
     serve |= {"ref_eagle_d25_matched": served(1.40), "ref_eagle_matched": served(1.60)}
-    lines = data_curve(reference, runs, serve, "T0.0")
+    lines = data_curve(reference, runs, serve)
+    assert lines[0].startswith("## How much data: eagle and its smaller sizes")
     ours = next(line for line in lines if line.startswith("| ours |"))
     assert log_fit([(1e4, a + b * math.log(1e4)), (4e4, a + b * math.log(4e4))]) == pytest.approx((a, b))
     fit = log_fit([(n, engine_pooled(serve[k], "T0.0")["tau"]) for k, n in
@@ -425,4 +427,6 @@ def test_the_data_curve_fits_tau_against_the_training_tokens_per_trainer():
     ref = next(line for line in lines if line.startswith("| speculators, matched |"))
     assert "1.40 at 10,000 (ref_eagle_d25_matched), 1.60 at 40,000 (ref_eagle_matched)" in ref
     assert tokens_for((1.0, -0.1), 2.5) is None and log_fit([(1e4, 1.5)]) is None
-    assert data_curve(reference, {"eagle": runs["eagle"]}, serve, "T0.0") == []  # one size: no curve
+    assert data_curve(reference, {"eagle": runs["eagle"]}, serve) == []  # one size: no curve
+    assert tokens_for((1.5, 1e-3), 3.0) is None  # flat: e^1500 tokens is no prediction (and no OverflowError)
+    assert any(line.startswith("| ours |") for line in data_curve({}, runs, serve))  # ours alone is a curve

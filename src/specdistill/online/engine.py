@@ -145,21 +145,26 @@ def request_record(prompt: list[int], row: dict[str, Any], k: int) -> RequestRec
 
 
 def version_rate(row: dict[str, Any], k: int, version: int) -> float | None:
-    """The request's acceptance over the steps drafter `version` served (None: it served none). The engine keeps
-    serving while the trainer updates, so the request in flight then is mostly the previous version's; the
-    stopping rule judges each version by its own steps, as our decoder's (one version per request) does."""
+    """The request's acceptance if drafter `version` made all of its drafts, else None. The engine keeps serving
+    while the trainer updates, so the request in flight then is partly the previous version's: the drafts a step
+    judges were proposed at the end of the step before (the worker records the version loaded before each step),
+    and a new version still reads the draft's cache of the prompt that the old one wrote. So only requests the
+    version served from their prefill judge it, as in our decoder (one version per request)."""
     versions = row["versions"]
-    marks = [ok for s, _, ok in _judged(row, k) if versions[s] == version]
+    if any(v != version for v in versions[:-1]):  # the last step's proposals are never judged
+        return None
+    marks = [ok for _, _, ok in _judged(row, k)]
     return sum(marks) / len(marks) if marks else None
 
 
 def served(row: dict[str, Any], record: RequestRecord) -> Served:
     """One row of the curve, as our decoder's server logs it (tau: tokens per target forward, prefill included;
-    version: the drafter version of the request's last step)."""
+    version: the drafter version that proposed the drafts the request's last step judged)."""
     tokens, forwards = len(row["token_ids"]), len(row["steps"])
+    versions = row["versions"]
     return Served(int(row["index"]), tokens, forwards - 1, record.num_accepted, len(record.accepted),
                   tokens / forwards if forwards else 0.0, float(row["seconds"]),
-                  row["versions"][-1] if row["versions"] else 0)
+                  versions[-2] if len(versions) > 1 else (versions or [0])[0])
 
 
 def throughput(steps: list[list[float]], updates: list[Any]) -> dict[str, Any]:

@@ -104,6 +104,7 @@ class OnlineDistiller:
             # offline one, so its training_step is the offline loss
             _, self.optimizer = self.fabric.setup(module, self.optimizer, move_to_device=False)
         self._since_update = 0
+        self._rated_since_update = 0  # requests since the last update that judged the deployed draft alone
 
     def serve(self, prompt: list[int]) -> tuple[list[int], RequestRecord]:
         t0 = time.perf_counter()
@@ -119,16 +120,19 @@ class OnlineDistiller:
     def observe(self, record: RequestRecord, served: Served, rate: float | None) -> None:
         """One served request, whoever served it (our decoder here, the engine in `online/engine.py`): into the
         curve, the stopping rule and, when learning, the buffer; an update when one is due. `rate`: the acceptance
-        the stopping rule counts for the deployed draft (None: the request judged none of its drafts)."""
+        the stopping rule counts for the deployed draft (None: the request does not judge that draft alone, e.g.
+        the engine served part of it with the version before). An update waits for one such request at least, so
+        the rule never judges a version on none of its own requests."""
         self.log.served.append(served)
         if rate is not None:
             self.rule.observe(rate)
+            self._rated_since_update += 1
         if not self.learn:
             return
         self.buffer.add(record)
         self._since_update += 1
         stopped = self.rule.stopped
-        if self._due() and self.rule.should_update():
+        if self._due() and self._rated_since_update and self.rule.should_update():
             if stopped:
                 self.log.resumed_at.append(len(self.log.served))
                 log.info("online: the acceptance window fell to %.3f, more than %.3f below its best: updating "
@@ -149,7 +153,7 @@ class OnlineDistiller:
         With `online.gate`, the newest requests are kept out of the steps and the draft's acceptance on them
         (against a live target pass) is measured before and after: an update that lowers it by more than
         `gate_tolerance` is undone (weights and optimizer state) and the deployed draft stays."""
-        self._since_update = 0
+        self._since_update = self._rated_since_update = 0
         t0, started = time.perf_counter(), time.time()
         gate = self.buffer.newest(self.cfg.gate, self.pad_id) if self.cfg.gate else None
         if gate is not None:

@@ -114,16 +114,22 @@ def reference_tables(reference: dict[str, dict[str, Any]], runs: dict[str, dict[
                          f"{_f(decoder_mean(ev, e0, 'tau') if e0 else None)} | "
                          f"{_f(decoder_mean(ev, e0, 'speedup') if e0 else None)} |")
     return lines + ["", "A dash: that stage has not run (`dvc repro serve@ref_<key> evaluate@ref_<key>`), or the "
-                    "checkpoint has a layout our decoder does not read (the shipped recipe's norms).", "",
-                    *data_curve(reference, runs, serve, t0)]
+                    "checkpoint has a layout our decoder does not read (the shipped recipe's norms).", ""]
+
+
+COSMETIC = ("enable_progress_bar", "log_every_n_steps", "val_check_interval", "enable_model_summary")
 
 
 def curve_of(run: dict[str, Any]) -> str:
-    """What a train record's draft is apart from how much data it saw: the items of one data curve share it."""
+    """What a train record's draft is apart from how much data it saw: the items of one data curve share it (the
+    method and its size, loss, trainer and distill settings, the target, the validation tokens; not the fraction
+    of the training answers, nor how often it logged)."""
     s = run.get("settings") or {}
     distill = json.loads(json.dumps(s.get("distill") or {}))
     (distill.get("data") or {}).pop("train_fraction", None)
-    return json.dumps([s.get("method"), s.get("draft"), s.get("loss"), distill, s.get("trainer")], sort_keys=True)
+    trainer = {k: v for k, v in (s.get("trainer") or {}).items() if k not in COSMETIC}
+    return json.dumps([s.get(k) for k in ("method", "draft", "loss", "target_fingerprint", "val_tokens")]
+                      + [distill, trainer], sort_keys=True)
 
 
 def log_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -136,18 +142,23 @@ def log_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return my - b * mx, b
 
 
+FAR = math.log(1e15)  # a fit that needs more tokens than this for a tau is flat, not a prediction
+
+
 def tokens_for(fit: tuple[float, float] | None, tau: float) -> float | None:
-    """The training tokens the fit predicts for `tau` (None: no fit, or tau does not grow with data)."""
-    if fit is None or fit[1] <= 0:
+    """The training tokens the fit predicts for `tau` (None: no fit, tau does not grow with the data, or it grows
+    so slowly that the answer is beyond 1e15 tokens)."""
+    if fit is None or fit[1] <= 0 or (tau - fit[0]) / fit[1] > FAR:
         return None
     return math.exp((tau - fit[0]) / fit[1])
 
 
 def data_curve(reference: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]],
-               serve: dict[str, dict[str, Any]], t0: str | None) -> list[str]:
+               serve: dict[str, dict[str, Any]]) -> list[str]:
     """Engine tau at T=0 against the training answers' tokens, per trainer, for drafts that differ only in
     distill.data.train_fraction (methods variants, e.g. cpu_full's eagle_d25 / eagle_d50 beside eagle), with the
     fit tau = a + b ln(tokens) and the tokens it predicts for tau 2.5 and 3."""
+    t0 = temperature_key([*serve.values()], 0.0)
     if t0 is None:
         return []
     groups: dict[str, list[str]] = {}
@@ -170,7 +181,9 @@ def data_curve(reference: dict[str, dict[str, Any]], runs: dict[str, dict[str, A
                     trainers.setdefault(label, []).append((tokens, e["tau"], serve_key))
         if not trainers:
             continue
-        lines += ["### How much data: the engine's tau against the training answers", "",
+        largest = max(keys, key=lambda k: runs[k]["settings"]["train_tokens"])
+        lines += [f"## How much data: {largest} and its smaller sizes, the engine's tau against the training answers",
+                  "",
                   "The same draft, steps and recipe on the first fraction of the training answers "
                   "(`methods.<m>.data.train_fraction`): the engine's tau at T=0 (as above) against the tokens of "
                   "the answers trained on, and the fit tau = a + b ln(tokens) over them. The tokens it predicts for a "
@@ -184,5 +197,5 @@ def data_curve(reference: dict[str, dict[str, Any]], runs: dict[str, dict[str, A
             need = [tokens_for(fit, t) for t in (2.5, 3.0)]
             lines.append(f"| {label} | {at} | {_f(fit and fit[0])} | {_f(fit and fit[1], 3)} | "
                          + " | ".join("–" if n is None else f"{n:,.0f}" for n in need) + " |")
-        lines.append("")
+        lines += ["", "A dash for a tau: the fit does not rise with the data, or it needs more than 1e15 tokens.", ""]
     return lines

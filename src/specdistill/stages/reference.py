@@ -23,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -186,12 +185,14 @@ def converted(cfg: dict[str, Any], ref: ReferenceConfig, data_cfg: DataConfig, a
 
 def data_folder(work_dir: Path, store: str, aux: list[int], data_cfg: DataConfig, draft_vocab: int | None,
                 stops: set[int]) -> Path:
-    """Where a conversion lives: named by all that decides its content, the store, the layers, the vocabulary and
-    the rows distill.data picks (train_fraction, max_length, source...; not how they are batched), so a data
-    curve's items never read another size's rows."""
-    rows = {k: v for k, v in asdict(data_cfg).items() if k not in ("num_workers", "batch_size")}
-    return work_dir / ("data-" + config_hash({"store": store, "aux": aux, "rows": rows, "vocab": draft_vocab,
-                                              "stops": sorted(stops)})[:12])
+    """Where a conversion lives: named by all that decides its content. The store's fingerprint covers the
+    generated data and max_length (check_store refuses another); a data curve's smaller sizes
+    (distill.data.train_fraction < 1) add their fraction, so no size reads another's rows, while the whole data
+    keeps the name it always had (a finished reference run stays valid)."""
+    key: dict[str, Any] = {"store": store, "aux": aux, "vocab": draft_vocab, "stops": sorted(stops)}
+    if data_cfg.train_fraction < 1:
+        key["train_fraction"] = float(data_cfg.train_fraction)
+    return work_dir / ("data-" + config_hash(key)[:12])
 
 
 def resumable(work: Path, stamp: str) -> None:

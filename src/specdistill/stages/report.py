@@ -14,7 +14,7 @@ from specdistill.core.tracking import wandb_run
 from specdistill.evaluation.contention import busy_lines
 from specdistill.reporting import figures, settings
 from specdistill.reporting.online import load_online, online_curves, online_tables
-from specdistill.reporting.reference import load_reference, reference_tables
+from specdistill.reporting.reference import data_curve, load_reference, reference_tables
 from specdistill.reporting.series import write_series
 from specdistill.reporting.serving import load_serving, serving_figure, serving_tables
 from specdistill.reporting.summary import engine_summary, summary_table
@@ -173,7 +173,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     curves = load_curves(plots_dir, list(runs))
     online = load_online(metrics_dir, plots_dir)
     serve = load_serving(metrics_dir)
-    reference = reference_tables(load_reference(metrics_dir), runs, all_metrics, serve)
+    references = load_reference(metrics_dir)
+    reference = reference_tables(references, runs, all_metrics, serve) + data_curve(references, runs, serve)
     experiment = cfg.get("experiment_name", "default")
     with wandb_run(cfg.get("logger"), job_type="report", name=f"report@{experiment}", group=experiment,
                    config=cfg) as run_:
