@@ -60,6 +60,8 @@ CASES = [  # item 2: typos that once wiped shards or last.ckpt; item 3: out-of-r
     ("train", "methods.draft.optimizer.lr=0", "methods.draft.optimizer.lr"),
     ("train", "distill.scheduler.num_warmup_steps=-5", "distill.scheduler.num_warmup_steps"),
     ("train", "methods.draft.vocab_size=1", "methods.draft.vocab_size"),
+    # third round: no validation batches failed after the whole training (the record is the final validation)
+    ("train", "trainer.limit_val_batches=0", "trainer.limit_val_batches"),
 ]
 
 

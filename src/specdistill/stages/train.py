@@ -174,8 +174,9 @@ _TRAINER_KEYS: dict[str, tuple[str, Any]] = {
     "val_check_interval": ("an integer >= 1 (steps) or a fraction of an epoch in (0, 1]",
                            lambda v: v is None or _int(v) and v >= 1 or _num(v) and 0 < v <= 1),
     "check_val_every_n_epoch": ("null or an integer >= 1", lambda v: v is None or _int(v) and v >= 1),
-    "limit_val_batches": ("an integer >= 0 (batches) or a fraction in [0, 1]",
-                          lambda v: _int(v) and v >= 0 or _num(v) and 0 <= v <= 1),
+    # > 0: the run's record is its final validation (0 would fail after the whole training)
+    "limit_val_batches": ("an integer >= 1 (batches) or a fraction in (0, 1]: the stage's record is the final "
+                          "validation", lambda v: _int(v) and v >= 1 or _num(v) and 0 < v <= 1),
     "limit_train_batches": ("an integer >= 1 (batches) or a fraction in (0, 1]",
                             lambda v: _int(v) and v >= 1 or _num(v) and 0 < v <= 1),
     "log_every_n_steps": ("an integer >= 1", lambda v: _int(v) and v >= 1),
