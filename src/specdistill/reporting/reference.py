@@ -137,9 +137,8 @@ def log_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     xs, ys = [math.log(x) for x, _ in points], [y for _, y in points]
     if len(set(xs)) < 2:
         return None
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+    b, a = statistics.linear_regression(xs, ys)
+    return a, b
 
 
 FAR = math.log(1e15)  # a fit that needs more tokens than this for a tau is flat, not a prediction
