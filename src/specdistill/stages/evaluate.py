@@ -96,9 +96,8 @@ class EvalConfig:
             raise ConfigError(f"eval.rivals={self.rivals} names an item twice: list each once")
 
 
-# the rows every run may have (companions and rivals add theirs) and the headline's own figures (a rival's sit
-# beside them under its name)
-ROWS = ("ar", "spec", "hf_generate", "hf_assisted", "tau", "speedup")
+# the rows every run may have (companions and rivals add theirs)
+ROWS = ("ar", "spec", "hf_generate", "hf_assisted")
 # what a rival must share with the item it runs in: the run's measurement, not the draft
 SHARED = ("datasets", "num_prompts", "split", "max_new_tokens", "temperatures", "top_p", "top_k", "capacity", "seed",
           "pilot_prompts", "pilot_tokens")

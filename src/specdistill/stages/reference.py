@@ -130,8 +130,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
               "settings": {"methods_key": item["method"], "speculators": launched["speculators"],
                            "engine_torch": launched["torch"], "argv": launched["argv"], "tokens_per_step":
                            tokens_per_step, "rows": rows, **environment()}}
-    write_record(metrics_file, result, {k: result["run"][k] for k in ("steps", "train_s", "tokens_per_s",
-                                                                       "peak_rss_mib")})
+    write_record(metrics_file, result, {k: result["run"][k] for k in ("tokens_per_s", "peak_rss_mib")})
     log.info("reference@%s: %d steps, %.0f tokens/s, peak %.0f MiB -> %s", key, launched["steps"],
              launched["tokens_per_s"] or 0, launched["peak_rss_mib"], out)
     return result
