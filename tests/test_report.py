@@ -221,6 +221,46 @@ def test_report_names_the_cpu_kind_and_flags_runs_from_different_machines(tmp_pa
            "Intel Xeon (AVX512, bf16 native))" in text
 
 
+def test_report_names_one_code_version_or_says_which_differ(tmp_path, monkeypatch):
+    """Every stage records the code it ran (environment()["code"]); the report names the one version behind all
+    its records (evaluate, train, serve, online, reference alike) or flags a mix, as it flags a mix of machines."""
+    (tmp_path / "metrics").mkdir()
+    run = metrics("eagle", [0.8, 0.5], 2.1)
+    run["settings"].update(device="AMD EPYC", cpu={"capability": "AVX512", "native_bf16": True}, code="1f3676a0c0de")
+    (tmp_path / "metrics/eagle.json").write_text(json.dumps(run))
+    text = render(tmp_path, monkeypatch)
+    assert "Every record here: code 1f3676a0c0de, on AMD EPYC (AVX512, bf16 native)." in text
+    assert "more than one code version" not in text
+    train = train_metrics("fkl", "target", 0.612)  # a train record of other code: the mix is named
+    train["settings"]["code"] = "5120ed2c0de0+changes"
+    (tmp_path / "metrics/train_draft.json").write_text(json.dumps(train))
+    text = render(tmp_path, monkeypatch)
+    assert "**Measured by more than one code version** (1f3676a0c0de, 5120ed2c0de0+changes)" in text
+    assert "Every record here" not in text
+
+
+def test_the_code_version_is_the_commit_and_whether_the_code_differs_from_it(tmp_path):
+    import subprocess
+
+    from specdistill.core.hardware import commit_of
+
+    assert commit_of(tmp_path) is None  # not the project's checkout (an installed package): nothing to name
+    (tmp_path / "src/specdistill").mkdir(parents=True)
+    (tmp_path / "src/specdistill/a.py").write_text("x = 1\n")
+    assert commit_of(tmp_path) is None  # no git repository
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert commit_of(tmp_path) == head
+    (tmp_path / "metrics").mkdir()  # what a run writes is not code
+    (tmp_path / "metrics/m.json").write_text("{}")
+    assert commit_of(tmp_path) == head
+    (tmp_path / "src/specdistill/a.py").write_text("x = 2\n")
+    assert commit_of(tmp_path) == head + "+changes"
+
+
 def test_environment_names_the_cpu_and_its_kind(monkeypatch):
     from pathlib import Path
 

@@ -3,7 +3,9 @@ every stage can record them without importing a model."""
 
 from __future__ import annotations
 
+import functools
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,31 @@ def matrix_units() -> str | None:
     return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
 
 
+CODE_PATHS = ("src", "pipelines", "conf", "engine-plugin")  # what a stage runs; not the data and results it writes
+
+
+@functools.cache
+def code_version() -> str | None:
+    """The commit the project's code ran from ("+changes" where its code differs from that commit), so a report can
+    say that its figures are one version's; None outside a git checkout of the project (an installed package)."""
+    return commit_of(Path(__file__).resolve().parents[3])
+
+
+def commit_of(root: Path) -> str | None:
+    """`code_version` of the checkout at `root`: HEAD's short hash, "+changes" if CODE_PATHS differ from it."""
+    if not (root / "src" / "specdistill").is_dir():
+        return None
+    git = ["git", "-C", str(root)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+        changed = subprocess.run([*git, "status", "--porcelain", "--", *CODE_PATHS], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if changed else "")
+
+
 def environment() -> dict[str, Any]:
     """What a measurement ran on. On a CPU the kind matters as much as the versions: without bf16 kernels
     (AVX2) a draft tree's verification costs several times more plain steps than with AMX, so a speed-up
@@ -76,7 +103,7 @@ def environment() -> dict[str, Any]:
     env: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version(),
                            "device": torch.cuda.get_device_name(0) if cuda else cpu_name(),
-                           "threads": torch.get_num_threads()}
+                           "threads": torch.get_num_threads(), "code": code_version()}
     if not cuda:
         env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16(),
                       "matrix_units": matrix_units()}

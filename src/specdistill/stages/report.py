@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,24 @@ def machine(settings: dict[str, Any]) -> str:
             f"bf16 {'native' if cpu.get('native_bf16') else 'emulated'})")
 
 
+def provenance(records: Iterable[dict[str, Any]]) -> list[str]:
+    """The code version and the machine behind every record the report reads (each stage records both), or which
+    ones differ: a figure is its own run's, and a speed-up compares only with one measured on the same kind of CPU."""
+    settings = [r.get("settings") or {} for r in records]
+    codes = sorted({s.get("code") or "unrecorded" for s in settings})
+    machines = sorted({machine(s) for s in settings if s.get("device")})
+    if len(codes) == 1 and len(machines) <= 1:
+        return [f"Every record here: code {codes[0]}" + (f", on {machines[0]}." if machines else "."), ""]
+    lines = []
+    if len(codes) > 1:
+        lines += [f"**Measured by more than one code version** ({', '.join(codes)}): rerun `dvc repro` for the "
+                  "figures of one.", ""]
+    if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
+        lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
+                  "its own run, but compare speed-ups across runs only on the same kind of machine.", ""]
+    return lines
+
+
 def prompt_counts(prompts: Any) -> str:
     """'4 humaneval + 4 mtbench prompts' from a run's {dataset: count}; a record's other forms as they are."""
     if isinstance(prompts, dict):
@@ -98,7 +117,7 @@ def prompt_counts(prompts: Any) -> str:
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
            online: list[str] | None = None, serving: list[str] | None = None,
            serve: dict[str, dict[str, Any]] | None = None, head_to_head_png: bool = False,
-           reference: list[str] | None = None) -> str:
+           reference: list[str] | None = None, others: Iterable[dict[str, Any]] = ()) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     # metrics without a split were written before the stratified order: each set's first rows
@@ -120,10 +139,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              *summary_table(all_metrics), *engine_summary(serve or {}), "", *head_to_head(all_metrics)]
     if head_to_head_png:  # figures.head_to_head drew it
         lines += ["![head to head: acceptance by position](head_to_head.png)", ""]
-    machines = sorted({machine(m["settings"]) for m in all_metrics.values()})
-    if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
-        lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
-                  "its own run, but compare speed-ups across runs only on the same kind of machine.", ""]
+    lines += provenance([*all_metrics.values(), *(serve or {}).values(), *others])
     # evaluate runs and the engine stages (whose speed-ups the summary above shows too)
     lines += busy_lines({**{n: m["settings"].get("others_cpu_share") for n, m in all_metrics.items()},
                          **{f"serve@{n}": m["settings"].get("others_cpu_share") for n, m in (serve or {}).items()}})
@@ -183,7 +199,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             (tmp / "README.md").write_text(render(all_metrics, experiment,
                                                   render_training(runs, sweep, curves, all_metrics),
                                                   online_tables(online), serving_tables(serve), serve, drawn,
-                                                  reference))
+                                                  reference, [*runs.values(), *(r for r, _ in online.values()),
+                                                              *references.values()]))
             if serve:
                 serving_figure(serve, tmp / "serve_speedup.png")
             if online:
