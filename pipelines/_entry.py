@@ -19,6 +19,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from specdistill.core.config import register_resolvers  # noqa: E402
+from specdistill.core.hardware import code_version  # noqa: E402
 from specdistill.core.stage import check_globals, setup_logging  # noqa: E402
 
 register_resolvers()  # conf/'s `${files_stamp:...}` when a stage composes conf/ itself (run by hand)
@@ -32,6 +33,7 @@ def stage_main(run: Callable[..., Any], job: Callable[[], Any] | None = None,
     @hydra.main(version_base="1.3", config_path=str(ROOT / "conf"), config_name="config")
     def _main(cfg: DictConfig) -> None:
         setup_logging()
+        code_version()  # the code this stage starts with, which its record names (read now, not hours later)
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         check_globals(container)
         run(container, job=job()) if job else run(container)

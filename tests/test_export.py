@@ -160,7 +160,8 @@ def test_medusa_exports_in_vllms_layout(exported, tmp_path, tiny_tokenizer):
 
 
 def test_the_deployed_schedule_serves_each_load_its_chosen_k():
-    """K per concurrency becomes vLLM's batch-size schedule; 0 where speculation lost; None when it lost everywhere."""
+    """K per concurrency becomes vLLM's batch-size schedule; 0 where speculation lost and above the loads measured;
+    None when it lost everywhere."""
     from specdistill.engine.serving import deploy_schedule
 
     class Cfg:
@@ -171,6 +172,9 @@ def test_the_deployed_schedule_serves_each_load_its_chosen_k():
     assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 3
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4, 1], [5, 16, 0]]
     assert deploy_schedule(Cfg(), {c: {"deploy_k": 0} for c in chosen}, "x") is None
+    # speculation that pays at the largest load measured stops above it: vLLM would carry K=2 to every larger batch
+    won = deploy_schedule(Cfg(), {"c1": {"deploy_k": 3}, "c4": {"deploy_k": 1}, "c16": {"deploy_k": 2}}, "x")
+    assert won["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4, 1], [5, 16, 2], [17, 17, 0]]
 
 
 def test_serve_leaves_out_the_k_a_medusa_export_cannot_draft(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from specdistill.core.hardware import code_version
 from specdistill.core.records import (
     headline_of_serving,
     headline_of_training,
@@ -17,7 +18,8 @@ def test_the_headline_holds_a_few_numbers_and_the_record_everything(tmp_path):
     record = {"settings": {"cpu": "x", "threads": 2}, "results": {"mtbench": {"T0": {"spec": {"tau": 1.5}}}}}
     write_record(tmp_path / "eagle.json", record, {"mtbench": {"T0": {"tau": 1.5}}})
     assert json.loads((tmp_path / "eagle.json").read_text()) == {"mtbench": {"T0": {"tau": 1.5}}}
-    assert read_record(tmp_path / "eagle.json") == record == read_records(tmp_path)["eagle"]
+    written = {**record, "settings": {**record["settings"], "code": code_version()}}  # the record names its code
+    assert read_record(tmp_path / "eagle.json") == written == read_records(tmp_path)["eagle"]
     (tmp_path / "old.json").write_text(json.dumps(record))  # written before the split: its own record
     assert read_record(tmp_path / "old.json") == record and set(read_records(tmp_path)) == {"eagle", "old"}
 

@@ -222,8 +222,9 @@ def test_report_names_the_cpu_kind_and_flags_runs_from_different_machines(tmp_pa
 
 
 def test_report_names_one_code_version_or_says_which_differ(tmp_path, monkeypatch):
-    """Every stage records the code it ran (environment()["code"]); the report names the one version behind all
-    its records (evaluate, train, serve, online, reference alike) or flags a mix, as it flags a mix of machines."""
+    """Every record names the code it ran (settings.code, written by write_record); the report names the one
+    version behind all its records (evaluate, train, serve, online, reference alike) or flags a mix, as it flags a
+    mix of machines."""
     (tmp_path / "metrics").mkdir()
     run = metrics("eagle", [0.8, 0.5], 2.1)
     run["settings"].update(device="AMD EPYC", cpu={"capability": "AVX512", "native_bf16": True}, code="1f3676a0c0de")
@@ -239,7 +240,7 @@ def test_report_names_one_code_version_or_says_which_differ(tmp_path, monkeypatc
     assert "Every record here" not in text
 
 
-def test_the_code_version_is_the_commit_and_whether_the_code_differs_from_it(tmp_path):
+def test_the_code_version_is_the_last_code_commit_and_names_uncommitted_changes(tmp_path):
     import subprocess
 
     from specdistill.core.hardware import commit_of
@@ -248,17 +249,45 @@ def test_the_code_version_is_the_commit_and_whether_the_code_differs_from_it(tmp
     (tmp_path / "src/specdistill").mkdir(parents=True)
     (tmp_path / "src/specdistill/a.py").write_text("x = 1\n")
     assert commit_of(tmp_path) is None  # no git repository
-    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+
+    def commit() -> str:
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", "c", "--no-verify"], check=True)
+        return subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+
     subprocess.run([*git, "init", "-q"], check=True)
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run([*git, "commit", "-qm", "c"], check=True)
-    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
-    assert commit_of(tmp_path) == head
-    (tmp_path / "metrics").mkdir()  # what a run writes is not code
+    code = commit()
+    assert commit_of(tmp_path) == code
+    (tmp_path / "metrics").mkdir()  # what a run writes is not code, nor is a commit of docs or results
     (tmp_path / "metrics/m.json").write_text("{}")
-    assert commit_of(tmp_path) == head
-    (tmp_path / "src/specdistill/a.py").write_text("x = 2\n")
-    assert commit_of(tmp_path) == head + "+changes"
+    assert commit_of(tmp_path) == code
+    (tmp_path / "README.md").write_text("docs")
+    commit()
+    assert commit_of(tmp_path) == code
+    (tmp_path / "src/specdistill/a.py").write_text("x = 2\n")  # two different edits: two versions
+    first = commit_of(tmp_path)
+    (tmp_path / "src/specdistill/a.py").write_text("x = 3\n")
+    second = commit_of(tmp_path)
+    assert first.startswith(code + "+changes.") and second.startswith(code + "+changes.") and first != second
+    (tmp_path / "src/specdistill/a.py").write_text("x = 1\n")
+    (tmp_path / "src/specdistill/new.py").write_text("y = 1\n")  # a new file of code is a change too
+    assert commit_of(tmp_path).startswith(code + "+changes.")
+    assert commit_of(tmp_path / "src") is None  # a folder inside a checkout is not a checkout of its own
+
+
+def test_a_record_names_its_code_and_the_report_flags_records_naming_none(tmp_path, monkeypatch):
+    from specdistill.core import hardware
+    from specdistill.core.records import read_record, write_record
+
+    monkeypatch.setattr(hardware, "code_version", lambda: "abc+changes.1234")
+    write_record(tmp_path / "x.json", {"settings": {"method": "m"}, "results": {}}, {"tau": 1})
+    assert read_record(tmp_path / "x.json")["settings"] == {"method": "m", "code": "abc+changes.1234"}
+    assert json.loads((tmp_path / "x.json").read_text()) == {"tau": 1}  # the headline: no code column
+    assert report.provenance([{"settings": {"code": "abc"}}, {"settings": {}}, {}]) == [
+        "**Measured by more than one code version** (abc, 2 records naming none): `dvc repro` reruns only the items "
+        "whose own code changed, so the figures of one version need `dvc repro -f`.", ""]
+    assert report.provenance([{"settings": {}}]) == []  # all from before the code was recorded: as they rendered
 
 
 def test_environment_names_the_cpu_and_its_kind(monkeypatch):

@@ -4,6 +4,8 @@ every stage can record them without importing a model."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -73,24 +75,41 @@ CODE_PATHS = ("src", "pipelines", "conf", "engine-plugin")  # what a stage runs;
 
 @functools.cache
 def code_version() -> str | None:
-    """The commit the project's code ran from ("+changes" where its code differs from that commit), so a report can
-    say that its figures are one version's; None outside a git checkout of the project (an installed package)."""
+    """The code a process runs: the last commit that changed CODE_PATHS (a commit of docs or results keeps the
+    version), with "+changes.<hash of the uncommitted changes>" where the checkout's code differs from it; None
+    outside a git checkout of the project (an installed package). Cached: a stage asks at its start
+    (pipelines/_entry.py), so its record names the code it started with, not what the checkout holds hours later."""
     return commit_of(Path(__file__).resolve().parents[3])
 
 
 def commit_of(root: Path) -> str | None:
-    """`code_version` of the checkout at `root`: HEAD's short hash, "+changes" if CODE_PATHS differ from it."""
+    """`code_version` of the checkout at `root`."""
     if not (root / "src" / "specdistill").is_dir():
         return None
-    git = ["git", "-C", str(root)]
+    # the checkout's own git: no GIT_DIR / GIT_INDEX_FILE of a hook or `git rebase -x` around us, and no index lock
+    # taken (a `git commit` beside a running stage must not fail on it)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")} | {"GIT_OPTIONAL_LOCKS": "0"}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                              timeout=30, env=env).stdout.strip()
+
     try:
-        head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True,
-                              timeout=30).stdout.strip()
-        changed = subprocess.run([*git, "status", "--porcelain", "--", *CODE_PATHS], capture_output=True, text=True,
-                                 check=True, timeout=30).stdout.strip()
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            return None  # a copy of the code inside another repository: that repository's commits are not its
+        head = git("log", "-1", "--format=%h", "--abbrev=12", "--", *CODE_PATHS)
+        diff = git("diff", "HEAD", "--", *CODE_PATHS)
+        new = git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS).splitlines()
     except (OSError, subprocess.SubprocessError):
         return None
-    return head + ("+changes" if changed else "")
+    if not head:
+        return None
+    if not diff and not new:
+        return head
+    changes = hashlib.sha256(diff.encode())
+    for name in sorted(new):
+        changes.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return f"{head}+changes.{changes.hexdigest()[:8]}"
 
 
 def environment() -> dict[str, Any]:
@@ -103,7 +122,7 @@ def environment() -> dict[str, Any]:
     env: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version(),
                            "device": torch.cuda.get_device_name(0) if cuda else cpu_name(),
-                           "threads": torch.get_num_threads(), "code": code_version()}
+                           "threads": torch.get_num_threads()}
     if not cuda:
         env["cpu"] = {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16(),
                       "matrix_units": matrix_units()}

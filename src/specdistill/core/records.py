@@ -36,7 +36,12 @@ def metrics_files(metrics_file: Path) -> list[Path]:
 
 
 def write_record(metrics_file: Path, record: dict[str, Any], headline: dict[str, Any]) -> None:
-    """The record, then its headline (each replaced whole): a reader never sees a headline without its record."""
+    """The record, then its headline (each replaced whole): a reader never sees a headline without its record.
+    The record names the code that wrote it (`settings.code`, core/hardware.code_version): records only, not the
+    outputs other stages read (a model's settings, the features manifest), whose hash would change with it."""
+    from specdistill.core.hardware import code_version
+
+    record = {**record, "settings": {**(record.get("settings") or {}), "code": code_version()}}
     write_json(record_path(metrics_file), record)
     write_json(metrics_file, headline)
 

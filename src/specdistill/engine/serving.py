@@ -209,8 +209,9 @@ def deploy_schedule(cfg: ServeConfig, chosen: dict[str, dict[str, Any]],
                     draft_dir: str | None) -> dict[str, Any] | None:
     """The speculative config to deploy: vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`,
     inclusive ranges) built from the K chosen at each measured concurrency, K = 0 where speculation lost.
-    Concurrency c_i covers the batch sizes above c_(i-1) up to c_i; the last range reaches the largest
-    concurrency and vLLM carries it beyond. None when speculation loses at every load."""
+    Concurrency c_i covers the batch sizes above c_(i-1) up to c_i; above the largest measured concurrency the
+    schedule drafts nothing (vLLM carries the last range's K to every larger batch, and speculation there was never
+    measured: it tends to lose as the batch grows). None when speculation loses at every load."""
     levels = sorted(cfg.concurrency)
     ks = [int(chosen[f"c{c}"]["deploy_k"]) for c in levels]
     if not any(ks):
@@ -219,6 +220,8 @@ def deploy_schedule(cfg: ServeConfig, chosen: dict[str, dict[str, Any]],
     for c, k in zip(levels, ks, strict=True):
         schedule.append([start, c, k])
         start = c + 1
+    if ks[-1]:
+        schedule.append([start, start, 0])
     return {**speculative_config(cfg, max(ks), draft_dir), "num_speculative_tokens_per_batch_size": schedule}
 
 

@@ -91,7 +91,7 @@ class EvalConfig:
             raise ConfigError(f"eval.depth=auto chooses the width too: drop eval.width={self.width}, or set a depth")
         if clash := set(self.rivals) & ({*ROWS, *self.beside, self.name or self.method}):
             raise ConfigError(f"eval.rivals={self.rivals}: {sorted(clash)} would share a name with the run, a "
-                              f"companion beside it, a row or a headline figure ({ROWS}): name another evaluate item")
+                              f"companion beside it or a row ({ROWS}): name another evaluate item")
         if len(set(self.rivals)) < len(self.rivals):
             raise ConfigError(f"eval.rivals={self.rivals} names an item twice: list each once")
 

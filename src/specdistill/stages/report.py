@@ -90,17 +90,20 @@ def machine(settings: dict[str, Any]) -> str:
 
 
 def provenance(records: Iterable[dict[str, Any]]) -> list[str]:
-    """The code version and the machine behind every record the report reads (each stage records both), or which
-    ones differ: a figure is its own run's, and a speed-up compares only with one measured on the same kind of CPU."""
+    """The code version and the machine behind every record the report reads (each record names both), or which
+    ones differ: a figure is its own code's, and a speed-up compares only with one measured on the same kind of CPU.
+    Records from before the code was recorded name none: alone they add no line, beside named ones they are a mix."""
     settings = [r.get("settings") or {} for r in records]
-    codes = sorted({s.get("code") or "unrecorded" for s in settings})
+    codes = sorted({s["code"] for s in settings if s.get("code")})
+    unnamed = sum(not s.get("code") for s in settings)
     machines = sorted({machine(s) for s in settings if s.get("device")})
-    if len(codes) == 1 and len(machines) <= 1:
+    if len(codes) == 1 and not unnamed and len(machines) <= 1:
         return [f"Every record here: code {codes[0]}" + (f", on {machines[0]}." if machines else "."), ""]
     lines = []
-    if len(codes) > 1:
-        lines += [f"**Measured by more than one code version** ({', '.join(codes)}): rerun `dvc repro` for the "
-                  "figures of one.", ""]
+    if len(codes) > 1 or codes and unnamed:
+        named = codes + ([f"{unnamed} record{'s' * (unnamed > 1)} naming none"] if unnamed else [])
+        lines += [f"**Measured by more than one code version** ({', '.join(named)}): `dvc repro` reruns only the "
+                  "items whose own code changed, so the figures of one version need `dvc repro -f`.", ""]
     if len(machines) > 1:  # each speed-up is against AR in its own run, but the kind of CPU sets its size
         lines += [f"Measured on more than one machine ({'; '.join(machines)}): each speed-up is against AR in "
                   "its own run, but compare speed-ups across runs only on the same kind of machine.", ""]
