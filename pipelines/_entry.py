@@ -19,7 +19,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from specdistill.core.config import register_resolvers  # noqa: E402
-from specdistill.core.hardware import code_version  # noqa: E402
+from specdistill.core.records import code_version  # noqa: E402
 from specdistill.core.stage import check_globals, setup_logging  # noqa: E402
 
 register_resolvers()  # conf/'s `${files_stamp:...}` when a stage composes conf/ itself (run by hand)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from specdistill.core.hardware import code_version
 from specdistill.core.records import (
+    code_version,
     headline_of_serving,
     headline_of_training,
     read_record,

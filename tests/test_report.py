@@ -243,7 +243,7 @@ def test_report_names_one_code_version_or_says_which_differ(tmp_path, monkeypatc
 def test_the_code_version_is_the_last_code_commit_and_names_uncommitted_changes(tmp_path):
     import subprocess
 
-    from specdistill.core.hardware import commit_of
+    from specdistill.core.records import commit_of
 
     assert commit_of(tmp_path) is None  # not the project's checkout (an installed package): nothing to name
     (tmp_path / "src/specdistill").mkdir(parents=True)
@@ -277,10 +277,10 @@ def test_the_code_version_is_the_last_code_commit_and_names_uncommitted_changes(
 
 
 def test_a_record_names_its_code_and_the_report_flags_records_naming_none(tmp_path, monkeypatch):
-    from specdistill.core import hardware
+    from specdistill.core import records
     from specdistill.core.records import read_record, write_record
 
-    monkeypatch.setattr(hardware, "code_version", lambda: "abc+changes.1234")
+    monkeypatch.setattr(records, "code_version", lambda: "abc+changes.1234")
     write_record(tmp_path / "x.json", {"settings": {"method": "m"}, "results": {}}, {"tau": 1})
     assert read_record(tmp_path / "x.json")["settings"] == {"method": "m", "code": "abc+changes.1234"}
     assert json.loads((tmp_path / "x.json").read_text()) == {"tau": 1}  # the headline: no code column

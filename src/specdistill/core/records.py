@@ -15,14 +15,60 @@ A record written before the split is its own headline file: `read_record` reads 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
 import statistics
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from specdistill.core.io import write_json
 
 RECORDS = "records"
+
+
+CODE_PATHS = ("src", "pipelines", "conf", "engine-plugin")  # what a stage runs; not the data and results it writes
+
+
+@functools.cache
+def code_version() -> str | None:
+    """The code a process runs: the last commit that changed CODE_PATHS (a commit of docs or results keeps the
+    version), with "+changes.<hash of the uncommitted changes>" where the checkout's code differs from it; None
+    outside a git checkout of the project (an installed package). Cached: a stage asks at its start
+    (pipelines/_entry.py), so its record names the code it started with, not what the checkout holds hours later."""
+    return commit_of(Path(__file__).resolve().parents[3])
+
+
+def commit_of(root: Path) -> str | None:
+    """`code_version` of the checkout at `root`."""
+    if not (root / "src" / "specdistill").is_dir():
+        return None
+    # the checkout's own git: no GIT_DIR / GIT_INDEX_FILE of a hook or `git rebase -x` around us, and no index lock
+    # taken (a `git commit` beside a running stage must not fail on it)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")} | {"GIT_OPTIONAL_LOCKS": "0"}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                              timeout=30, env=env).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            return None  # a copy of the code inside another repository: that repository's commits are not its
+        head = git("log", "-1", "--format=%h", "--abbrev=12", "--", *CODE_PATHS)
+        diff = git("diff", "HEAD", "--", *CODE_PATHS)
+        new = git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS).splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not head:
+        return None
+    if not diff and not new:
+        return head
+    changes = hashlib.sha256(diff.encode())
+    for name in sorted(new):
+        changes.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return f"{head}+changes.{changes.hexdigest()[:8]}"
 
 
 def record_path(metrics_file: Path) -> Path:
@@ -37,10 +83,8 @@ def metrics_files(metrics_file: Path) -> list[Path]:
 
 def write_record(metrics_file: Path, record: dict[str, Any], headline: dict[str, Any]) -> None:
     """The record, then its headline (each replaced whole): a reader never sees a headline without its record.
-    The record names the code that wrote it (`settings.code`, core/hardware.code_version): records only, not the
+    The record names the code that wrote it (`settings.code`, `code_version`): records only, not the
     outputs other stages read (a model's settings, the features manifest), whose hash would change with it."""
-    from specdistill.core.hardware import code_version
-
     record = {**record, "settings": {**(record.get("settings") or {}), "code": code_version()}}
     write_json(record_path(metrics_file), record)
     write_json(metrics_file, headline)
