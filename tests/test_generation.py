@@ -84,7 +84,8 @@ def test_identical_runs_write_identical_bytes(workdir, tiny_target_dir):
     assert timing["fingerprint"] == first["fingerprint"] and timing["generation"]["untimed_shards"] == 0
     assert len(timing["shards"]) == 6 and timing["generation"]["new_tokens"] == sum(
         c["response_tokens"] for c in second["counts"].values())
-    assert timing["generation"]["tokens_per_s"] > 0 and "environment" in timing
+    assert timing["generation"]["tokens_per_s"] > 0 and timing["environment"]["cpu"]["capability"]
+    assert timing["environment"]["dtype"] == cfg["target"]["dtype"]  # the dtype the target answered in
     manifest = json.loads((workdir / "generated/manifest.json").read_text())
     assert manifest["timing"] == str(workdir / "metrics/generate.json") and "generation" not in manifest
 

@@ -1,6 +1,7 @@
 """The reference trainer (stage reference): our training rows in speculators' offline format, exactly; speculators'
-own trainer on a CPU through the shims, for the exact steps asked; each shim still needed; and its checkpoint read
-back by our evaluator. The trainer runs for real in the engine's environment (where speculators is installed)."""
+own trainer on a CPU through the shims, for the exact steps asked; each shim still needed (`make test-full`); and its
+checkpoint read back by our evaluator. The trainer runs for real in the engine's environment (where speculators is
+installed)."""
 
 from __future__ import annotations
 
@@ -174,6 +175,7 @@ def test_speculators_trains_the_exact_steps_on_a_cpu_resumes_and_we_read_its_che
 
 
 @needs_engine
+@pytest.mark.full  # its answer changes only with the pinned speculators (requirements-engine.txt): `make test-full`
 @pytest.mark.parametrize("shim", sorted(set(SHIMS) - {"resume"}))  # resume: in the test above, where a run resumes
 def test_each_cpu_shim_is_still_needed(tmp_path, converted, tiny_target_dir, shim):
     """A newer speculators that trains on a CPU without one of them fails here: then remove that shim."""

@@ -28,10 +28,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.smoke]
 
 # one item of each foreach stage, chosen so that what they need is few items more: EAGLE-3's chain (features, train,
 # evaluate, online, export beside the target, serve), compare, which needs its four rivals trained, and speculators'
-# EAGLE-3 trained on the same data and served by the engine (reference, then serve), and the full-vocabulary draft
-# learning inside the engine (train@draft_full, then online_engine)
+# EAGLE-3 trained on the same data and served by the engine (reference, then serve), and the EAGLE-3 head learning
+# inside the engine (online_engine; the separate draft's item would train train@draft_full for it alone, and
+# tests/test_online_engine.py runs that stage on it)
 ONE_PER_STAGE = ("evaluate@eagle", "compare", "online@eagle", "serve@eagle", "serve@ref_eagle_matched",
-                 "online_engine@draft")
+                 "online_engine@eagle")
 SECTIONS = ("## In the engine", "### EAGLE heads", "## Online speculative distillation",
             "### The engine's acceptance beside our decoder's", "## Against the reference trainer",
             "### Inside the engine")

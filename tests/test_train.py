@@ -119,6 +119,7 @@ def test_auto_precision_follows_the_cpu_and_is_recorded(tmp_path, tiny_target_di
     res = train_stage.run(composed(*overrides(tmp_path, tiny_target_dir, generated, "trainer.precision=auto",
                                               "trainer.max_steps=1")))
     assert res["settings"]["trainer"]["precision"] == precision
+    assert res["settings"]["target_dtype"] == "float32"  # the live teacher's, as loaded (tests pin float32)
 
 
 def test_progress_shows_in_a_log_file(tmp_path, tiny_target_dir, generated, capfd):

@@ -63,11 +63,17 @@ def commit_of(root: Path) -> str | None:
         return None
     if not head:
         return None
-    if not diff and not new:
+    added = {}
+    for name in sorted(new):
+        try:  # a file removed between git's listing and this read (an editor's temporary file) is no change
+            added[name] = (root / name).read_bytes()
+        except FileNotFoundError:
+            continue
+    if not diff and not added:
         return head
     changes = hashlib.sha256(diff.encode())
-    for name in sorted(new):
-        changes.update(name.encode() + b"\0" + (root / name).read_bytes())
+    for name, data in added.items():
+        changes.update(name.encode() + b"\0" + data)
     return f"{head}+changes.{changes.hexdigest()[:8]}"
 
 

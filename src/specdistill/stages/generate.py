@@ -83,7 +83,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     plan = [(s, i, range(i * gen_cfg.shard_size, min((i + 1) * gen_cfg.shard_size, len(d))))
             for s, d in splits.items() for i in range((len(d) + gen_cfg.shard_size - 1) // gen_cfg.shard_size)]
     todo = [p for p in plan if not (out / p[0] / shard_name(p[1])).exists()]
-    timing, env = kept_timing(timing_file, fingerprint, out, plan), environment()  # env: once, not per shard
+    # env: once, not per shard; with the dtype the target answers in (auto resolved for this machine)
+    timing, env = kept_timing(timing_file, fingerprint, out, plan), {**environment(), "dtype": target_cfg.dtype}
     log.info("%d shard(s) planned, %d already whole, %d to generate%s", len(plan), len(plan) - len(todo), len(todo),
              f" with {engine} ({gen_cfg.engine_workers} worker(s))" if engine else "")
 

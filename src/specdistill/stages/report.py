@@ -90,16 +90,17 @@ def machine(settings: dict[str, Any]) -> str:
 
 
 def provenance(records: Iterable[dict[str, Any]]) -> list[str]:
-    """The code version and the machine behind every record the report reads (each record names both), or which
-    ones differ: a figure is its own code's, and a speed-up compares only with one measured on the same kind of CPU.
-    Records from before the code was recorded name none: alone they add no line, beside named ones they are a mix."""
+    """The code version and the machine behind every record the report reads (each record names both; this is
+    the one place the report names them), or which ones differ: a figure is its own code's, and a speed-up compares
+    only with one measured on the same kind of CPU. Records from before the code was recorded name none: alone they
+    name no code, beside named ones they are a mix."""
     settings = [r.get("settings") or {} for r in records]
     codes = sorted({s["code"] for s in settings if s.get("code")})
     unnamed = sum(not s.get("code") for s in settings)
     machines = sorted({machine(s) for s in settings if s.get("device")})
-    if len(codes) == 1 and not unnamed and len(machines) <= 1:
-        return [f"Every record here: code {codes[0]}" + (f", on {machines[0]}." if machines else "."), ""]
-    lines = []
+    same = ([f"code {codes[0]}"] if len(codes) == 1 and not unnamed else []) + \
+        ([f"on {machines[0]}"] if len(machines) == 1 else [])
+    lines = [f"Every record here: {', '.join(same)}.", ""] if same else []
     if len(codes) > 1 or codes and unnamed:
         named = codes + ([f"{unnamed} record{'s' * (unnamed > 1)} naming none"] if unnamed else [])
         lines += [f"**Measured by more than one code version** ({', '.join(named)}): `dvc repro` reruns only the "
@@ -120,7 +121,7 @@ def prompt_counts(prompts: Any) -> str:
 def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: list[str] | None = None,
            online: list[str] | None = None, serving: list[str] | None = None,
            serve: dict[str, dict[str, Any]] | None = None, head_to_head_png: bool = False,
-           reference: list[str] | None = None, others: Iterable[dict[str, Any]] = ()) -> str:
+           reference: list[str] | None = None, provenance_of: Iterable[dict[str, Any]] = ()) -> str:
     any_m = next(iter(all_metrics.values()))
     s = any_m["settings"]
     # metrics without a split were written before the stratified order: each set's first rows
@@ -130,7 +131,7 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              "Written by the `report` stage from the metrics files the train and evaluate stages wrote (`dvc repro`); "
              "no number in it is typed by hand.",
              f"Target {s.get('target_fingerprint', '?')[:23]}…, {s.get('dtype')}, torch {s.get('torch')}, "
-             f"transformers {s.get('transformers')}, {s.get('threads')} threads on {machine(s)}; "
+             f"transformers {s.get('transformers')}, {s.get('threads')} threads; "
              f"{prompt_counts(s.get('prompts'))} ({order}), max_new_tokens {s.get('max_new_tokens')}; each run's "
              "draft is named in its rows.", "",
              "Speed-up is tokens/s over our AR loop on the same prompts in the same process (methods interleaved);",
@@ -142,7 +143,8 @@ def render(all_metrics: dict[str, dict[str, Any]], experiment: str, training: li
              *summary_table(all_metrics), *engine_summary(serve or {}), "", *head_to_head(all_metrics)]
     if head_to_head_png:  # figures.head_to_head drew it
         lines += ["![head to head: acceptance by position](head_to_head.png)", ""]
-    lines += provenance([*all_metrics.values(), *(serve or {}).values(), *others])
+    # the machine and code of every record, the train, online and reference runs' (provenance_of) too
+    lines += provenance([*all_metrics.values(), *(serve or {}).values(), *provenance_of])
     # evaluate runs and the engine stages (whose speed-ups the summary above shows too)
     lines += busy_lines({**{n: m["settings"].get("others_cpu_share") for n, m in all_metrics.items()},
                          **{f"serve@{n}": m["settings"].get("others_cpu_share") for n, m in (serve or {}).items()}})

@@ -307,7 +307,8 @@ def record(c: Checked, cfg: dict[str, Any], final: dict[str, float], steps: int,
     module = built.module
     settings = {"method": asdict(c.mcfg), "draft": asdict(c.size) if c.size else None, "loss": asdict(c.loss_cfg),
                 "distill": cfg["distill"], "trainer": c.trainer, "experiment": cfg.get("experiment_name", "default"),
-                "target_fingerprint": target.fingerprint, "train_tokens": datamodule.num_train_tokens,
+                "target_fingerprint": target.fingerprint, "target_dtype": str(target.dtype).removeprefix("torch."),
+                "train_tokens": datamodule.num_train_tokens,
                 "val_tokens": datamodule.num_val_tokens,
                 "draft_parameters": sum(p.numel() for p in built.student.parameters()),
                 "draft_vocab": None if module.d2t is None else len(module.d2t), **environment()}

@@ -233,7 +233,7 @@ def save_eagle(head: EagleHead, out_dir: str | Path, extra: dict[str, Any] | Non
 
 
 def write_eagle3_layout(head: EagleHead, out: Path) -> None:
-    """`config.json` + `model.safetensors` as vLLM/SGLang load an EAGLE-3 draft (README, "Export").
+    """`config.json` + `model.safetensors` as vLLM/SGLang load an EAGLE-3 draft (docs/serving.md).
 
     Tensor names are ours already (fc, midlayer.*, norm, lm_head); the embeddings are the target's
     and not written; `d2t` becomes the OFFSET the engines read (target id = i + d2t[i]) and `t2d`
