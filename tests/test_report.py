@@ -242,7 +242,7 @@ def test_report_names_one_code_version_or_says_which_differ(tmp_path, monkeypatc
     assert "Every record here: code" not in text
 
 
-def test_the_code_version_is_the_last_code_commit_and_names_uncommitted_changes(tmp_path):
+def test_the_code_version_is_the_last_code_commit_and_names_uncommitted_changes(tmp_path, monkeypatch):
     import subprocess
 
     from specdistill.core.records import commit_of
@@ -278,13 +278,14 @@ def test_the_code_version_is_the_last_code_commit_and_names_uncommitted_changes(
     assert commit_of(tmp_path / "src") is None  # a folder inside a checkout is not a checkout of its own
     # a new file removed between git's listing and the read (an editor's temporary file) is no change and no crash
     real_read = Path.read_bytes
-    with pytest.MonkeyPatch.context() as mp:
-        def vanishing(self):
-            if self.name == "new.py":
-                raise FileNotFoundError(self)
-            return real_read(self)
-        mp.setattr(Path, "read_bytes", vanishing)
-        assert commit_of(tmp_path) == code
+
+    def vanishing(self):
+        if self.name == "new.py":
+            raise FileNotFoundError(self)
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", vanishing)
+    assert commit_of(tmp_path) == code
 
 
 def test_a_record_names_its_code_and_the_report_flags_records_naming_none(tmp_path, monkeypatch):
