@@ -15,7 +15,8 @@ import yaml
 from specdistill.core.records import read_records
 from specdistill.stages.report import machine
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers.project import ROOT
+
 DVC = str(Path(sys.executable).with_name("dvc"))
 EXPERIMENT = yaml.safe_load((ROOT / "params.yaml").read_text())["experiment_name"]
 
